@@ -1,0 +1,122 @@
+"""KIVI cache configuration: bit widths, group size G, residual length R, axes, sinks, per-layer overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+BIT_WIDTHS = (2, 4, 8, 16)  # 16 keeps the stream in the model dtype
+AXES = ("channel", "token")
+WORD_BITS = 32  # codes are packed into int32 words (see kivi.quant)
+
+
+class KiviConfigError(ValueError):
+    """A KIVI configuration value is invalid; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class KiviConfig:
+    """How a KIVI cache stores keys and values.
+
+    k_bits, v_bits: bits per code (2, 4, 8) or 16 to keep that stream unquantized.
+    group_size: G elements share one scale and zero.
+    residual_length: R newest tokens kept in full precision; R % G == 0. R = 0 quantizes as soon as
+        possible: per-token streams at once, per-channel streams whenever a full group of G tokens exists.
+    key_axis, value_axis: "channel" groups G consecutive tokens of one channel (KIVI's keys);
+        "token" groups G consecutive channels of one token (KIVI's values).
+    sink_tokens: the first N tokens of each sequence are never quantized (attention sinks, as KVQuant).
+    layer_overrides: {layer_index: {field: value}} e.g. {0: {"k_bits": 4, "v_bits": 4}}.
+    """
+
+    k_bits: int = 2
+    v_bits: int = 2
+    group_size: int = 32
+    residual_length: int = 128
+    key_axis: str = "channel"
+    value_axis: str = "token"
+    sink_tokens: int = 0
+    layer_overrides: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        for layer, override in self.layer_overrides.items():
+            where = f"KiviConfig.layer_overrides[{layer!r}]"
+            if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+                raise KiviConfigError(f"{where}: layer index must be an int >= 0")
+            if not isinstance(override, Mapping):
+                raise KiviConfigError(f"{where} must be a mapping like {{'k_bits': 4}}, got {override!r}")
+            allowed = {f.name for f in dataclasses.fields(self)} - {"layer_overrides", "sink_tokens"}
+            for name in override:
+                if name not in allowed:
+                    raise KiviConfigError(f"{where}: unknown field {name!r}{_suggest(name, allowed)}")
+            try:
+                dataclasses.replace(self, layer_overrides={}, **override)
+            except KiviConfigError as err:
+                raise KiviConfigError(str(err).replace("KiviConfig", where, 1)) from None
+
+    def for_layer(self, layer_idx: int) -> KiviConfig:
+        """The configuration that applies to one layer (overrides merged, no overrides left)."""
+        return dataclasses.replace(self, layer_overrides={}, **self.layer_overrides.get(layer_idx, {}))
+
+    @property
+    def name(self) -> str:
+        """Stable short name used as the `cache` column of results, e.g. ``kivi-k2v2-g32-r128``."""
+        parts = [f"kivi-k{self.k_bits}v{self.v_bits}-g{self.group_size}-r{self.residual_length}"]
+        if self.key_axis != "channel":
+            parts.append(f"k{self.key_axis}")
+        if self.value_axis != "token":
+            parts.append(f"v{self.value_axis}")
+        if self.sink_tokens:
+            parts.append(f"s{self.sink_tokens}")
+        for layer in sorted(self.layer_overrides):
+            spec = "".join(f"{k[0]}{v}" if k.endswith("bits") else f"{k}{v}" for k, v in self.layer_overrides[layer].items())
+            parts.append(f"L{layer}{spec}")
+        return "-".join(parts)
+
+    @classmethod
+    def from_name(cls, name: str) -> KiviConfig:
+        """A named preset: see ``PRESETS``."""
+        if name not in PRESETS:
+            raise KiviConfigError(f"unknown KIVI preset {name!r}{_suggest(name, PRESETS)}; presets: {', '.join(PRESETS)}")
+        return cls(**PRESETS[name])
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "kivi-2": dict(k_bits=2, v_bits=2),
+    "kivi-4": dict(k_bits=4, v_bits=4),
+    "kivi-8": dict(k_bits=8, v_bits=8),
+    "kivi-2-r32": dict(k_bits=2, v_bits=2, residual_length=32),
+    "kivi-2-r0": dict(k_bits=2, v_bits=2, residual_length=0),
+    # Paper Table 1 ablation: keys grouped per token like values (what KIVI shows to fail at 2 bits).
+    "token-keys-2": dict(k_bits=2, v_bits=2, key_axis="token"),
+    "token-keys-2-r0": dict(k_bits=2, v_bits=2, key_axis="token", residual_length=0),
+    "unquantized": dict(k_bits=16, v_bits=16),
+}
+
+
+def _validate(cfg: KiviConfig) -> None:
+    prefix = "KiviConfig"
+    for name in ("k_bits", "v_bits"):
+        bits = getattr(cfg, name)
+        if bits not in BIT_WIDTHS:
+            raise KiviConfigError(f"{prefix}.{name}={bits!r} is not supported; use one of {BIT_WIDTHS}")
+    for name in ("key_axis", "value_axis"):
+        axis = getattr(cfg, name)
+        if axis not in AXES:
+            raise KiviConfigError(f"{prefix}.{name}={axis!r}{_suggest(str(axis), AXES)}; use one of {AXES}")
+    g, r = cfg.group_size, cfg.residual_length
+    # A group must fill whole int32 words at the narrowest width (16 two-bit codes per word).
+    if not isinstance(g, int) or g <= 0 or g % 16:
+        raise KiviConfigError(f"{prefix}.group_size={g!r} must be a positive multiple of 16 (e.g. 32)")
+    if not isinstance(r, int) or r < 0 or r % g:
+        fix = f"use {r // g * g} or {(r // g + 1) * g}" if isinstance(r, int) and r > 0 else "use 0, 32, 128 …"
+        raise KiviConfigError(f"{prefix}.residual_length={r!r} must be >= 0 and a multiple of group_size={g}; {fix}")
+    if not isinstance(cfg.sink_tokens, int) or cfg.sink_tokens < 0:
+        raise KiviConfigError(f"{prefix}.sink_tokens={cfg.sink_tokens!r} must be an int >= 0")
+
+
+def _suggest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

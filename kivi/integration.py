@@ -1,0 +1,49 @@
+"""Putting KIVI into a stock transformers model: the "kivi" attention implementation."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kivi.cache import KiviCache
+
+ATTENTION_NAME = "kivi"
+
+
+def kivi_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention through the KiviCache of the current call; plain SDPA for any other cache."""
+    cache = getattr(module, "_kivi_cache", None)
+    if not isinstance(cache, KiviCache):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return cache.layers[module.layer_idx].attend(module, query, attention_mask, scaling), None
+
+
+AttentionInterface.register(ATTENTION_NAME, kivi_attention_forward)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def enable_kivi(model: PreTrainedModel) -> PreTrainedModel:
+    """Select the "kivi" attention implementation; the model then works with KiviCache and any other cache."""
+    model.set_attn_implementation(ATTENTION_NAME)
+    if not getattr(model, "_kivi_hooks", False):
+        attention_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+        if not attention_modules:
+            raise ValueError(f"enable_kivi: found no attention modules with a layer_idx in {type(model).__name__}")
+        for m in attention_modules:
+            # The attention function receives no cache argument; the module's forward does.
+            m.register_forward_pre_hook(_remember_cache, with_kwargs=True)
+            m.register_forward_hook(_forget_cache, always_call=True)
+        model._kivi_hooks = True
+    return model
+
+
+def _remember_cache(module: torch.nn.Module, args, kwargs):
+    module._kivi_cache = kwargs.get("past_key_values")
+
+
+def _forget_cache(module: torch.nn.Module, args, output):
+    module._kivi_cache = None

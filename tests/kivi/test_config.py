@@ -1,0 +1,54 @@
+import pytest
+
+from kivi import KiviConfig, KiviConfigError
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(k_bits=3), "k_bits"),
+        (dict(v_bits=1), "v_bits"),
+        (dict(group_size=24), "group_size"),
+        (dict(group_size=0), "group_size"),
+        (dict(residual_length=100), "residual_length"),
+        (dict(residual_length=-32), "residual_length"),
+        (dict(key_axis="chanel"), "key_axis"),
+        (dict(value_axis="tokens"), "value_axis"),
+        (dict(sink_tokens=-1), "sink_tokens"),
+        (dict(layer_overrides={0: {"k_bit": 4}}), "layer_overrides[0]"),
+        (dict(layer_overrides={1: {"k_bits": 5}}), "layer_overrides[1].k_bits"),
+        (dict(layer_overrides={-1: {"k_bits": 4}}), "layer_overrides[-1]"),
+    ],
+)
+def test_an_invalid_value_raises_one_error_naming_the_field(kwargs, field):
+    with pytest.raises(KiviConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        KiviConfig(**kwargs)
+
+
+def test_the_residual_error_proposes_valid_lengths():
+    with pytest.raises(KiviConfigError, match="use 96 or 128"):
+        KiviConfig(residual_length=100)
+
+
+def test_a_misspelled_axis_or_preset_gets_a_suggestion():
+    with pytest.raises(KiviConfigError, match="did you mean 'channel'"):
+        KiviConfig(key_axis="chanel")
+    with pytest.raises(KiviConfigError, match="did you mean 'kivi-2'"):
+        KiviConfig.from_name("kivi2")
+
+
+def test_zero_residual_is_allowed_and_named():
+    assert KiviConfig(residual_length=0).name == "kivi-k2v2-g32-r0"
+
+
+def test_layer_overrides_apply_to_their_layer_only():
+    cfg = KiviConfig(layer_overrides={0: {"k_bits": 4, "v_bits": 4}})
+    assert (cfg.for_layer(0).k_bits, cfg.for_layer(0).v_bits) == (4, 4)
+    assert (cfg.for_layer(1).k_bits, cfg.for_layer(1).v_bits) == (2, 2)
+    assert cfg.name == "kivi-k2v2-g32-r128-L0k4v4"
+
+
+def test_presets_match_the_paper_settings():
+    assert KiviConfig.from_name("kivi-2") == KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=128)
+    token_keys = KiviConfig.from_name("token-keys-2")
+    assert (token_keys.key_axis, token_keys.value_axis) == ("token", "token")
