@@ -1,0 +1,35 @@
+"""Evaluation workloads: requests from a data set, and a score for each prediction.
+
+    workload = get_workload("gsm8k", n=100, data_dir="../shared/data")
+    workload.check_data()                      # cheap; raises DataSourceError before models load
+    requests = workload.requests(tokenizer, max_context=4096)
+    workload.skipped                           # Counter of records dropped, per reason
+    workload.score(requests[0], prediction)    # Score(value in [0, 1], metric)
+"""
+
+from pipeline.workloads import fidelity, gsm8k, longbench, niah, sharegpt  # noqa: F401  (they register themselves)
+from pipeline.workloads.base import Request, Score, Workload, WorkloadOptionError, WorkloadOptions
+from pipeline.workloads.data import DataSourceError
+from pipeline.workloads.longbench_metrics import longbench_average
+from pipeline.workloads.registry import (
+    UnknownWorkloadError,
+    get_workload,
+    register_workload,
+    workload_class,
+    workload_names,
+)
+
+__all__ = [
+    "DataSourceError",
+    "Request",
+    "Score",
+    "UnknownWorkloadError",
+    "Workload",
+    "WorkloadOptionError",
+    "WorkloadOptions",
+    "get_workload",
+    "longbench_average",
+    "register_workload",
+    "workload_class",
+    "workload_names",
+]

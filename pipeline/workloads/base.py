@@ -1,0 +1,85 @@
+"""The workload contract: requests in, one score per prediction out."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class WorkloadOptionError(ValueError):
+    """A workload option has a bad value, or is not an option of that workload."""
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str  # unique within (workload, task); derived from the data, so reruns agree
+    workload: str
+    task: str
+    prompt: str  # chat template not applied; meta["apply_chat_template"] says whether it should be
+    max_new_tokens: int
+    reference: str  # JSON text, so that every workload fits one Parquet column
+    meta: dict[str, Any] = field(default_factory=dict, hash=False)  # small JSON-able extras (stop, depth …)
+
+
+@dataclass(frozen=True)
+class Score:
+    value: float  # in [0, 1] for every metric here; reports show 100 × value as "points"
+    metric: str
+
+
+class WorkloadOptions(BaseModel):
+    """Options every workload takes; subclasses add their own fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: int = Field(0, description="seed of every random choice (sampling, few-shot, passkeys)")
+    data_dir: Path | None = Field(
+        None, description="root of local data copies (e.g. ../shared/data); None reads the Hugging Face Hub"
+    )
+
+
+class Workload(ABC):
+    """Produces requests from a data set and scores the model's predictions for them."""
+
+    name: ClassVar[str]  # set by @register_workload
+    version: ClassVar[int]  # bumped when prompts or the metric change: gates compare equal versions only
+    # accuracy: generate and score; throughput: a timed batch sweep; teacher_forced: compare distributions to fp16
+    kind: ClassVar[Literal["accuracy", "throughput", "teacher_forced"]] = "accuracy"
+    Options: ClassVar[type[WorkloadOptions]] = WorkloadOptions
+    options: WorkloadOptions  # validated; subclasses narrow the type
+
+    def __init__(self, **options: Any) -> None:
+        try:
+            self.options = self.Options(**options)
+        except ValidationError as error:
+            problems = "; ".join(_describe(e) for e in error.errors())
+            known = ", ".join(self.Options.model_fields)
+            raise WorkloadOptionError(f"workload '{self.name}': {problems} (options: {known})") from None
+        # Records dropped by the last requests() call, counted per reason (malformed or filtered).
+        self.skipped: Counter[str] = Counter()
+
+    @abstractmethod
+    def check_data(self) -> None:
+        """Raise DataSourceError if the data cannot be read; cheap, so configs call it before models load."""
+
+    @abstractmethod
+    def requests(self, tokenizer: PreTrainedTokenizerBase, max_context: int) -> list[Request]:
+        """The sampled requests; each prompt plus its max_new_tokens fits in max_context tokens."""
+
+    def score(self, request: Request, prediction: str) -> Score:
+        raise TypeError(f"workload '{self.name}' is a {self.kind} workload: it has no score")
+
+
+def _describe(error: Any) -> str:
+    message = error["msg"].removeprefix("Value error, ")
+    if not error["loc"]:  # a rule across several options
+        return message
+    return f"option '{'.'.join(map(str, error['loc']))}': {message}"

@@ -1,0 +1,159 @@
+"""LongBench v1, the 16 English and code tasks, prompted and truncated as the official pred.py does.
+
+Data: data_dir/longbench/data/<task>.jsonl (the official data.zip layout; subset "full") or
+data_dir/longbench/minilongbench_parsed/<task>.jsonl (subset "mini"); without data_dir, the official
+data.zip of the Hub dataset THUDM/LongBench (its loading script no longer runs under datasets >= 4,
+so the zip it reads is read directly). Prompt templates and generation lengths are the official
+config/dataset2prompt.json and dataset2maxlen.json: they are not on the Hub, so they come from
+config_dir, or data_dir/longbench/config by default.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zipfile
+from collections import Counter
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field, PositiveInt, field_validator, model_validator
+
+from pipeline.workloads.base import Request, Score, Workload, WorkloadOptions
+from pipeline.workloads.data import (
+    DataSourceError, hub_file, local_path, parse_records, read_lines, require_hub, sample,
+)
+from pipeline.workloads.longbench_metrics import TASK_METRICS, score_prediction
+from pipeline.workloads.registry import register_workload
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+REPO = "THUDM/LongBench"
+TASKS = tuple(TASK_METRICS)
+# pred.py leaves these few-shot and code prompts raw: chat models do better on them without a template.
+NO_CHAT_TEMPLATE = frozenset({"trec", "triviaqa", "samsum", "lcc", "repobench-p"})
+SUBSET_FOLDERS = {"full": "data", "mini": "minilongbench_parsed"}
+REQUIRED = {"input": str, "context": str, "answers": list}
+
+
+class LongBenchOptions(WorkloadOptions):
+    tasks: tuple[str, ...] = Field(TASKS, description="LongBench tasks to run")
+    n: PositiveInt | None = Field(None, description="records to sample per task; None takes all")
+    subset: Literal["full", "mini"] = Field(
+        "full", description="full: official records; mini: the MiniLongBench subset (local data_dir only)"
+    )
+    config_dir: Path | None = Field(
+        None, description="folder with the official dataset2prompt.json and dataset2maxlen.json; "
+        "default data_dir/longbench/config"
+    )
+
+    @field_validator("tasks")
+    @classmethod
+    def _known_tasks(cls, tasks: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [task for task in tasks if task not in TASK_METRICS]
+        if unknown or not tasks:
+            raise ValueError(f"unknown LongBench tasks {unknown}; known: {', '.join(TASKS)}")
+        return tasks
+
+    @model_validator(mode="after")
+    def _sources(self) -> LongBenchOptions:
+        if self.data_dir is None and self.subset == "mini":
+            raise ValueError("subset 'mini' (MiniLongBench) has no Hub copy: set data_dir")
+        if self.data_dir is None and self.config_dir is None:
+            raise ValueError("the official prompt templates are not on the Hub: set config_dir or data_dir")
+        return self
+
+
+def middle_truncate(tokenizer: PreTrainedTokenizerBase, prompt: str, max_tokens: int) -> str:
+    """Keep the first and last max_tokens // 2 tokens, as pred.py does: the question sits at both ends.
+
+    Unlike pred.py, the result is guaranteed to fit: halves shrink while the re-encoded text is too long.
+    """
+    ids = tokenizer(prompt).input_ids
+    if len(ids) <= max_tokens:
+        return prompt
+    # No space clean-up, as Llama tokenizers default to: the decoded halves keep their original spacing.
+    decode = partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    half = max_tokens // 2
+    while True:
+        text = decode(ids[:half]) + decode(ids[-half:])
+        excess = len(tokenizer(text).input_ids) - max_tokens
+        if excess <= 0:
+            return text
+        half -= (excess + 1) // 2  # the join (or a BOS token) re-encoded to more than 2 * half tokens
+
+
+@register_workload("longbench")
+class LongBench(Workload):
+    version = 1
+    Options = LongBenchOptions
+    options: LongBenchOptions
+
+    def check_data(self) -> None:
+        self._config("dataset2prompt.json")
+        self._config("dataset2maxlen.json")
+        if self.options.data_dir is None:
+            require_hub(REPO)
+        else:
+            for task in self.options.tasks:
+                self._local_file(task)
+
+    def requests(self, tokenizer: PreTrainedTokenizerBase, max_context: int) -> list[Request]:
+        self.check_data()
+        self.skipped = Counter()
+        templates = json.loads(self._config("dataset2prompt.json").read_text())
+        max_lengths = json.loads(self._config("dataset2maxlen.json").read_text())
+        archive = hub_file(REPO, "data.zip") if self.options.data_dir is None else None
+        requests = []
+        for task in self.options.tasks:
+            max_new = max_lengths[task]
+            if max_context <= max_new:
+                raise ValueError(f"max_context {max_context} leaves no room for {task}'s {max_new} new tokens")
+            records = [(i, r) for i, r in parse_records(self._rows(task, archive), REQUIRED, self.skipped, task)
+                       if self._well_formed(task, r)]
+            for index, record in sample(records, self.options.n, self.options.seed):
+                prompt = templates[task].format(context=record["context"], input=record["input"])
+                requests.append(Request(
+                    request_id=record.get("_id") or str(index), workload=self.name, task=task,
+                    prompt=middle_truncate(tokenizer, prompt, max_context - max_new), max_new_tokens=max_new,
+                    reference=json.dumps(record["answers"]),
+                    meta={"all_classes": record.get("all_classes"),
+                          "apply_chat_template": task not in NO_CHAT_TEMPLATE},
+                ))
+        return requests
+
+    def score(self, request: Request, prediction: str) -> Score:
+        answers = json.loads(request.reference)
+        value = score_prediction(request.task, prediction, answers, request.meta["all_classes"])
+        return Score(value, TASK_METRICS[request.task].__name__)
+
+    def _well_formed(self, task: str, record: dict[str, Any]) -> bool:
+        problem, answers = None, record["answers"]
+        if not answers or not all(isinstance(answer, str) for answer in answers):
+            problem = "field 'answers' is not a list of strings"
+        elif task == "trec" and not isinstance(record.get("all_classes"), list):
+            problem = "missing field 'all_classes'"
+        elif task == "passage_retrieval_en" and not all(re.search(r"Paragraph \d+", a) for a in answers):
+            problem = "answer is not 'Paragraph N'"
+        if problem:
+            self.skipped[f"{task}: {problem}"] += 1
+        return problem is None
+
+    def _config(self, name: str) -> Path:
+        if self.options.config_dir is not None:
+            path = self.options.config_dir / name
+            if not path.is_file():
+                raise DataSourceError(f"{path} does not exist (workload option config_dir)")
+            return path
+        return local_path(self.options.data_dir, "longbench", "config", name)
+
+    def _local_file(self, task: str) -> Path:
+        return local_path(self.options.data_dir, "longbench", SUBSET_FOLDERS[self.options.subset], f"{task}.jsonl")
+
+    def _rows(self, task: str, archive: Path | None) -> list[str]:
+        if archive is None:
+            return read_lines(self._local_file(task))
+        with zipfile.ZipFile(archive) as files:  # the official data.zip holds data/<task>.jsonl
+            return files.read(f"data/{task}.jsonl").decode("utf-8").split("\n")
