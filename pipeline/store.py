@@ -1,0 +1,195 @@
+"""DuckDB over the Parquet archive: one view per table, score and delta views, read-only queries.
+
+Units: every `score` is a fraction in [0, 1] (exact match, F1, ROUGE-L, accuracy, edit similarity), and
+every `delta_points` is 100 × (other − reference) in percentage points, so −2.0 means "two points worse".
+An errored request (score null, error set) counts as 0: a cache that crashes on hard requests must not
+look better for it. Views:
+
+- results, perf, runs, verdicts: the archive tables (empty, with their columns, before any file exists).
+- task_scores: mean score per run / workload / task / cache, with n and n_errors.
+- workload_scores: per run / workload / cache; LongBench averages its task means, others average requests.
+- kivi_task_deltas, kivi_deltas: each non-fp16 cache vs fp16 of the same run, per task and per workload,
+  over the requests both caches answered (n_pairs), with n_fp16 and n_cache so that a partial run shows.
+- niah_cells: mean score per (context_length, depth) cell, from rows whose meta carries both keys.
+- throughput: per run / workload / cache, the largest batch without OOM, the best tokens/s, both as
+  ratios to fp16, and the KV compression fp16_kv_bytes / kv_bytes.
+- baseline_deltas(candidate_run, baseline_run), baseline_task_deltas(...): table macros comparing two
+  runs per workload (task) and cache; a baseline metric that the candidate lacks has candidate_score null.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from pipeline.archive import FP16, TABLES, TableSpec
+
+# Workloads whose headline score is the mean of per-task means (LongBench's official average).
+TASK_AVERAGED_WORKLOADS = ("longbench",)
+
+_AVERAGED = ", ".join(f"'{w}'" for w in TASK_AVERAGED_WORKLOADS)
+
+_VIEWS = {
+    "task_scores": """
+        SELECT run_id, model, workload, workload_version, task, cache, any_value(metric) AS metric,
+               avg(coalesce(score, 0)) AS score, count(*) AS n, count(error) AS n_errors
+        FROM results GROUP BY ALL""",
+    "workload_scores": f"""
+        SELECT run_id, model, workload, workload_version, cache,
+               CASE WHEN workload IN ({_AVERAGED}) THEN avg(score) ELSE sum(score * n) / sum(n) END AS score,
+               sum(n) AS n, sum(n_errors) AS n_errors, count(*) AS n_tasks
+        FROM task_scores GROUP BY run_id, model, workload, workload_version, cache""",
+    # Each KIVI answer is paired with the fp16 answer to the same request, so both means cover the same inputs.
+    "kivi_task_deltas": f"""
+        SELECT d.*, 100 * (d.kivi_score - d.fp16_score) AS delta_points, f.n AS n_fp16, k.n AS n_cache
+        FROM (
+            SELECT k.run_id, k.model, k.workload, k.workload_version, k.task, k.cache,
+                   avg(coalesce(f.score, 0)) AS fp16_score, avg(coalesce(k.score, 0)) AS kivi_score,
+                   count(*) AS n_pairs
+            FROM results k JOIN results f
+              ON f.run_id = k.run_id AND f.workload = k.workload AND f.task = k.task AND f.request_id = k.request_id
+            WHERE f.cache = '{FP16}' AND k.cache <> '{FP16}'
+            GROUP BY ALL) d
+        JOIN task_scores f ON f.run_id = d.run_id AND f.workload = d.workload AND f.task = d.task AND f.cache = '{FP16}'
+        JOIN task_scores k ON k.run_id = d.run_id AND k.workload = d.workload AND k.task = d.task AND k.cache = d.cache""",
+    "kivi_deltas": f"""
+        SELECT d.*, 100 * (d.kivi_score - d.fp16_score) AS delta_points, f.n AS n_fp16, k.n AS n_cache
+        FROM (
+            SELECT run_id, model, workload, workload_version, cache,
+                   CASE WHEN workload IN ({_AVERAGED}) THEN avg(fp16_score)
+                        ELSE sum(fp16_score * n_pairs) / sum(n_pairs) END AS fp16_score,
+                   CASE WHEN workload IN ({_AVERAGED}) THEN avg(kivi_score)
+                        ELSE sum(kivi_score * n_pairs) / sum(n_pairs) END AS kivi_score,
+                   sum(n_pairs) AS n_pairs, count(*) AS n_tasks
+            FROM kivi_task_deltas GROUP BY run_id, model, workload, workload_version, cache) d
+        JOIN workload_scores f ON f.run_id = d.run_id AND f.workload = d.workload AND f.cache = '{FP16}'
+        JOIN workload_scores k ON k.run_id = d.run_id AND k.workload = d.workload AND k.cache = d.cache""",
+    "niah_cells": """
+        SELECT run_id, model, workload, task, cache,
+               CAST(meta ->> '$.context_length' AS BIGINT) AS context_length,
+               CAST(meta ->> '$.depth' AS DOUBLE) AS depth,
+               avg(coalesce(score, 0)) AS score, count(*) AS n
+        FROM results
+        WHERE meta ->> '$.context_length' IS NOT NULL AND meta ->> '$.depth' IS NOT NULL
+        GROUP BY ALL""",
+    "throughput": f"""
+        WITH c AS (
+            SELECT run_id, model, workload, cache, any_value(device) AS device,
+                   max(batch_size) FILTER (WHERE NOT oom) AS max_batch,
+                   min(batch_size) FILTER (WHERE oom) AS first_oom_batch,
+                   max(tokens_per_s) FILTER (WHERE NOT oom) AS max_tokens_per_s,
+                   max(peak_mem_bytes) FILTER (WHERE NOT oom) AS max_peak_mem_bytes,
+                   sum(fp16_kv_bytes) FILTER (WHERE NOT oom) / sum(kv_bytes) FILTER (WHERE NOT oom) AS kv_compression
+            FROM perf GROUP BY ALL)
+        SELECT c.*, c.max_tokens_per_s / f.max_tokens_per_s AS throughput_ratio,
+               c.max_batch / f.max_batch AS batch_ratio
+        FROM c LEFT JOIN c AS f ON f.run_id = c.run_id AND f.workload = c.workload AND f.cache = '{FP16}'""",
+}
+
+# Driven from the baseline side so that a metric the candidate lost shows up (candidate_score null).
+_MACROS = [
+    """CREATE MACRO baseline_deltas(candidate_run, baseline_run) AS TABLE
+        SELECT candidate_run AS candidate_run_id, baseline_run AS baseline_run_id, b.workload, b.cache,
+               c.workload_version AS candidate_version, b.workload_version AS baseline_version,
+               b.score AS baseline_score, c.score AS candidate_score,
+               100 * (c.score - b.score) AS delta_points, b.n AS baseline_n, c.n AS candidate_n
+        FROM workload_scores b LEFT JOIN workload_scores c
+          ON c.run_id = candidate_run AND c.workload = b.workload AND c.cache = b.cache
+        WHERE b.run_id = baseline_run""",
+    """CREATE MACRO baseline_task_deltas(candidate_run, baseline_run) AS TABLE
+        SELECT candidate_run AS candidate_run_id, baseline_run AS baseline_run_id, b.workload, b.task, b.cache,
+               c.workload_version AS candidate_version, b.workload_version AS baseline_version,
+               b.score AS baseline_score, c.score AS candidate_score,
+               100 * (c.score - b.score) AS delta_points, b.n AS baseline_n, c.n AS candidate_n
+        FROM task_scores b LEFT JOIN task_scores c
+          ON c.run_id = candidate_run AND c.workload = b.workload AND c.task = b.task AND c.cache = b.cache
+        WHERE b.run_id = baseline_run""",
+]
+
+
+class ReadOnlyError(ValueError):
+    """A statement that could change state was refused."""
+
+
+class Store:
+    """An in-memory DuckDB whose views read the archive under ``root``; it never writes there."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self._con = duckdb.connect(":memory:")
+        for spec in TABLES.values():
+            self._con.execute(f"CREATE VIEW {spec.name} AS SELECT {', '.join(spec.schema.names)} FROM {self._source(spec)}")
+        for name, sql in _VIEWS.items():
+            self._con.execute(f"CREATE VIEW {name} AS {sql}")
+        for sql in _MACROS:
+            self._con.execute(sql)
+
+    def _source(self, spec: TableSpec) -> str:
+        if not any(self.root.glob(spec.glob)):
+            # DuckDB cannot glob zero files; an empty Arrow table keeps the view's columns and types.
+            self._con.register(f"_empty_{spec.name}", spec.schema.empty_table())
+            return f"_empty_{spec.name}"
+        # Hive values are text in our layout; without this DuckDB would turn run_id=20240601 into a number.
+        types = ", ".join(f"'{p}': 'VARCHAR'" for p in spec.partitions)
+        path = str(self.root / spec.glob).replace("'", "''")
+        return f"read_parquet('{path}', hive_partitioning = true, union_by_name = true, hive_types = {{{types}}})"
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> tuple[list[str], list[tuple]]:
+        """Run one read-only statement (SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN); columns and rows."""
+        self._check_read_only(sql)
+        cursor = self._con.execute(sql, list(params))
+        return [d[0] for d in cursor.description], cursor.fetchall()
+
+    def records(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        """`query` as one dict per row."""
+        columns, rows = self.query(sql, params)
+        return [dict(zip(columns, row, strict=True)) for row in rows]
+
+    def _check_read_only(self, sql: str) -> None:
+        try:
+            statements = self._con.extract_statements(sql)
+        except duckdb.Error as e:
+            raise ReadOnlyError(f"cannot parse query: {e}") from e
+        if len(statements) != 1:
+            raise ReadOnlyError(f"expected one statement, got {len(statements)}")
+        statement = statements[0]
+        if statement.type == duckdb.StatementType.EXPLAIN:
+            # EXPLAIN ANALYZE executes its statement (EXPLAIN ANALYZE COPY … writes a file): check what it wraps.
+            inner = re.sub(r"^\s*explain\s+(analyze\s+)?", "", statement.query, flags=re.IGNORECASE)
+            statement = self._con.extract_statements(inner)[0]
+        if statement.type != duckdb.StatementType.SELECT:
+            raise ReadOnlyError(
+                f"only SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE and EXPLAIN are allowed; got {statement.type.name}"
+            )
+
+    def close(self) -> None:
+        self._con.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], floatfmt: str = ".4f", null: str = "NULL") -> str:
+    """A pipe table (GitHub markdown) with padded columns, readable in a terminal too."""
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return null
+        text = format(value, floatfmt) if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    body = [[cell(v) for v in row] for row in rows]
+    widths = [max([len(c), *(len(r[i]) for r in body)]) for i, c in enumerate(columns)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    return "\n".join([line(columns), line(["-" * w for w in widths]), *(line(r) for r in body)])

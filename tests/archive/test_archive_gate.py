@@ -1,0 +1,178 @@
+"""Gate rules: YAML validation, verdicts as hand-computed on the synthetic archive, fail-closed, exit code."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from synthetic_archive import K2, K4, write_gsm8k
+
+from pipeline.archive import FP16, ArchiveWriter
+from pipeline.gate import (
+    GateConfigError,
+    Verdict,
+    evaluate,
+    exit_code,
+    load_gate,
+    parse_gate,
+    write_verdicts,
+)
+from pipeline.store import Store
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def rules(*specs: dict):
+    return parse_gate({"rules": [{"name": f"r{i}", **s} for i, s in enumerate(specs)]}).rules
+
+
+def outcome(verdicts: list[Verdict]) -> dict[tuple[str, str | None], bool]:
+    return {(v.rule, v.cache): v.passed for v in verdicts}
+
+
+@pytest.fixture(scope="module")
+def store(shared_archive: Path) -> Store:
+    with Store(shared_archive) as s:
+        yield s
+
+
+@pytest.mark.parametrize("name", ["nightly", "canary", "smoke"])
+def test_the_example_gate_files_load(name: str) -> None:
+    assert load_gate(REPO / "configs" / "gates" / f"{name}.yaml").rules
+
+
+def test_an_unknown_rule_kind_is_refused_with_a_suggestion_and_the_valid_kinds() -> None:
+    with pytest.raises(GateConfigError, match=r"rules\[0\]\.kind='max_dropp'.*did you mean 'max_drop'.*cells_equal"):
+        rules({"kind": "max_dropp", "workload": "gsm8k", "points": 2})
+
+
+def test_a_misspelled_field_is_named_with_a_suggestion() -> None:
+    with pytest.raises(GateConfigError, match=r"rules\[0\] \(r0\)\.point: unknown field \(did you mean 'points'\?\)"):
+        rules({"kind": "max_drop", "workload": "gsm8k", "point": 2})
+
+
+def test_a_negative_limit_a_missing_field_and_repeated_names_are_refused() -> None:
+    with pytest.raises(GateConfigError, match=r"rules\[0\] \(r0\)\.points: Input should be greater than or equal to 0"):
+        rules({"kind": "max_drop", "workload": "gsm8k", "points": -1})
+    with pytest.raises(GateConfigError, match=r"rules\[0\] \(r0\)\.ratio: Field required"):
+        rules({"kind": "min_throughput_ratio"})
+    with pytest.raises(GateConfigError, match="repeated: \\['same'\\]"):
+        parse_gate({"rules": [{"name": "same", "kind": "cells_equal"}, {"name": "same", "kind": "cells_equal"}]})
+
+
+def test_the_nightly_gate_passes_and_fails_exactly_as_hand_computed(store: Store) -> None:
+    verdicts = evaluate(store, "nightly-a", load_gate(REPO / "configs/gates/nightly.yaml"))
+    assert outcome(verdicts) == {
+        ("gsm8k-drop", K2): False,  # 5 points > 2
+        ("longbench-avg", K2): True, ("longbench-avg", K4): True,  # 0.75 and 0 points <= 1
+        ("niah-cells", K2): False, ("niah-cells", K4): True,  # kivi-2 lost cell (4096, 0.5)
+        ("kivi2-throughput", K2): True,  # 1000 / 320 = 3.125x >= 2
+    }
+    observed = {(v.rule, v.cache): v.observed for v in verdicts}
+    assert observed[("gsm8k-drop", K2)] == pytest.approx(5.0)
+    assert observed[("longbench-avg", K2)] == pytest.approx(0.75)
+    assert observed[("niah-cells", K2)] == 1.0 and observed[("kivi2-throughput", K2)] == pytest.approx(3.125)
+    niah_detail = next(v.detail for v in verdicts if v.rule == "niah-cells" and v.cache == K2)
+    assert "niah L=4096 depth=0.5: fp16 1.00 vs 0.00" in niah_detail
+    assert exit_code(verdicts) == 1
+
+
+@pytest.mark.parametrize("spec, passed", [
+    ({"kind": "max_drop", "workload": "longbench", "cache": K2, "points": 0.75}, True),  # computed as 0.7500000000000007
+    ({"kind": "max_drop", "workload": "longbench", "cache": K2, "points": 0.74}, False),
+    ({"kind": "max_drop", "workload": "longbench", "task": "narrativeqa", "cache": K2, "points": 2.25}, True),
+    ({"kind": "max_drop", "workload": "longbench", "task": "narrativeqa", "cache": K2, "points": 2.2}, False),
+    ({"kind": "min_throughput_ratio", "cache": K4, "ratio": 1.75}, True),
+    ({"kind": "min_throughput_ratio", "cache": K4, "ratio": 1.76}, False),
+    ({"kind": "cells_equal", "cache": K2, "tolerance_points": 100}, True),
+])
+def test_a_value_exactly_at_the_limit_passes_and_just_past_it_fails(store: Store, spec: dict, passed: bool) -> None:
+    assert [v.passed for v in evaluate(store, "nightly-a", rules(spec))] == [passed]
+
+
+@pytest.mark.parametrize("run_id, spec, detail", [
+    ("nightly-a", {"kind": "max_drop", "workload": "ruler", "points": 5}, "missing ruler scores"),
+    ("nightly-a", {"kind": "max_drop", "workload": "gsm8k", "cache": "kivi-k8v8-g32-r128", "points": 5}, "missing gsm8k scores"),
+    ("nightly-a", {"kind": "max_drop", "workload": "longbench", "task": "qasper", "cache": K2, "points": 5},
+     "missing longbench/qasper"),
+    ("nightly-a", {"kind": "cells_equal", "workload": "ruler"}, "missing ruler cells for fp16"),
+    ("canary-b", {"kind": "min_throughput_ratio", "cache": K4, "ratio": 1.0}, "missing sharegpt throughput for kivi-k4v4"),
+    ("nightly-a", {"kind": "no_regression_vs_baseline", "tolerance_points": 100}, "missing baseline"),
+    ("never-ran", {"kind": "max_drop", "workload": "gsm8k", "points": 100}, "missing: run never-ran has no KIVI cache"),
+])
+def test_a_metric_missing_from_the_archive_fails_closed(store: Store, run_id: str, spec: dict, detail: str) -> None:
+    verdicts = evaluate(store, run_id, rules(spec))
+    assert verdicts and not any(v.passed for v in verdicts)
+    assert any(v.detail.startswith(detail) for v in verdicts), [v.detail for v in verdicts]
+    assert exit_code(verdicts) == 1
+
+
+def test_a_kivi_cache_that_answered_only_some_shards_fails_even_if_those_scores_match(tmp_path: Path) -> None:
+    writer = ArchiveWriter(tmp_path, "partial")
+    write_gsm8k(writer, FP16, correct=10)
+    write_gsm8k(writer, K2, correct=10, shards=(0,))  # identical answers, half the requests
+    with Store(tmp_path) as store:
+        (verdict,) = evaluate(store, "partial", rules({"kind": "max_drop", "workload": "gsm8k", "points": 100}))
+    assert not verdict.passed and verdict.detail.startswith("incomplete gsm8k: 10 paired requests of 20 fp16")
+
+
+def test_the_canary_fails_only_the_cache_with_a_task_below_the_baseline_by_more_than_the_tolerance(store: Store) -> None:
+    verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "tolerance_points": 1.0}))
+    assert outcome(verdicts) == {("r0", FP16): True, ("r0", K2): False, ("r0", K4): True}
+    failed = next(v for v in verdicts if not v.passed)
+    assert failed.observed == pytest.approx(1.5) and "longbench/gov_report −1.50" in failed.detail
+    assert {v.baseline_run_id for v in verdicts} == {"nightly-a"}  # taken from canary-b's manifest
+
+
+def test_the_canary_passes_within_a_looser_tolerance_and_the_gate_exits_zero(store: Store) -> None:
+    verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "tolerance_points": 1.5}))
+    assert len(verdicts) == 3 and exit_code(verdicts) == 0
+
+
+def test_an_explicit_baseline_overrides_the_manifest(store: Store) -> None:
+    verdicts = evaluate(store, "nightly-a", rules({"kind": "no_regression_vs_baseline", "tolerance_points": 0}),
+                        baseline_run_id="canary-b")
+    # nightly-a vs canary-b is the reverse comparison: kivi-2 lost 5 gsm8k points.
+    assert outcome(verdicts)[("r0", K2)] is False
+    assert max(v.observed for v in verdicts) == pytest.approx(5.0)
+
+
+def test_the_canary_fails_closed_when_the_candidate_lacks_a_baseline_workload(archive: Path) -> None:
+    shutil.rmtree(archive / "results/run_id=canary-b/workload=niah")
+    with Store(archive) as store:
+        verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "tolerance_points": 100}))
+    assert not any(v.passed for v in verdicts) and all(v.detail.startswith("missing in candidate: niah") for v in verdicts)
+
+
+def test_the_canary_refuses_to_compare_different_workload_versions(archive: Path) -> None:
+    for cache in (FP16, K2, K4):
+        write_gsm8k(ArchiveWriter(archive, "canary-b"), cache, correct=14, version=4)
+    with Store(archive) as store:
+        verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "tolerance_points": 100}))
+    assert not any(v.passed for v in verdicts)
+    assert all("workload versions differ: gsm8k v4≠v3" in v.detail for v in verdicts)
+
+
+def test_exit_code_is_zero_only_when_there_are_verdicts_and_all_passed() -> None:
+    ok = Verdict("a", "max_drop", K2, 0.0, 1.0, True, "")
+    bad = Verdict("b", "max_drop", K2, 2.0, 1.0, False, "")
+    assert (exit_code([ok]), exit_code([ok, bad]), exit_code([])) == (0, 1, 1)
+
+
+def test_written_verdicts_are_queryable_and_a_reevaluation_replaces_them(archive: Path) -> None:
+    gate = load_gate(REPO / "configs/gates/nightly.yaml")
+    with Store(archive) as store:
+        write_verdicts(archive, "nightly-a", evaluate(store, "nightly-a", gate))
+    write_verdicts(archive, "nightly-a", [Verdict("only", "max_drop", K2, 0.0, 1.0, True, "rerun")])
+    with Store(archive) as store:
+        assert store.query("SELECT rule, cache, passed, detail FROM verdicts WHERE run_id = 'nightly-a'")[1] == [
+            ("only", K2, True, "rerun")]
+
+
+def test_the_canary_fails_closed_when_the_candidate_answered_fewer_requests_than_the_baseline(archive: Path) -> None:
+    (archive / "results/run_id=canary-b/workload=gsm8k/cache=fp16/shard-00001.parquet").unlink()
+    with Store(archive) as store:
+        verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "tolerance_points": 100}))
+    assert outcome(verdicts) == {("r0", FP16): False, ("r0", K2): True, ("r0", K4): True}
+    assert next(v.detail for v in verdicts if v.cache == FP16).startswith("incomplete in candidate: gsm8k (10 of 20 requests)")
