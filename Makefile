@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 run: setup
-	$(PY) -m kivi.fidelity --model smollm2-135m --tokens 2048
+	$(VENV)/bin/kivi-eval run configs/smoke.yaml
 
 test: setup
 	$(PY) -m pytest -ra

@@ -31,6 +31,7 @@ class FidelityRow:
     config: str
     cache: str
     mean_kl: float
+    top1_agreement: float  # share of positions whose argmax token equals fp16's
     perplexity: float
     kv_ratio: float  # kv_bytes / fp16_kv_bytes after the whole text
 
@@ -39,23 +40,20 @@ class FidelityRow:
 def measure_fidelity(model, input_ids: torch.Tensor, configs=DEFAULT_CONFIGS, chunk: int = 32) -> list[FidelityRow]:
     """input_ids: [1, T]. Returns one row per configuration name ("fp16" or a KiviConfig preset)."""
     enable_kivi(model)
-    reference = _chunked_logprobs(model, input_ids, DynamicCache(config=model.config), chunk)
-    targets = input_ids[0, chunk + 1 :]  # what the positions after the prefill chunk predict
+    reference = chunked_logprobs(model, input_ids, DynamicCache(config=model.config), chunk)
     rows = []
     for name in configs:
         if name == "fp16":
             logprobs, cache_name, ratio = reference, "fp16", 1.0
         else:
             cache = KiviCache(model.config, KiviConfig.from_name(name))
-            logprobs = _chunked_logprobs(model, input_ids, cache, chunk)
+            logprobs = chunked_logprobs(model, input_ids, cache, chunk)
             cache_name, ratio = cache.config.name, cache.kv_bytes() / cache.fp16_kv_bytes()
-        kl = (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
-        nll = -logprobs.gather(-1, targets[:, None]).mean().item()
-        rows.append(FidelityRow(name, cache_name, kl, float(torch.tensor(nll).exp()), ratio))
+        rows.append(FidelityRow(name, cache_name, **compare(reference, logprobs, input_ids, chunk), kv_ratio=ratio))
     return rows
 
 
-def _chunked_logprobs(model, input_ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
+def chunked_logprobs(model, input_ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
     """Float32 log-probabilities [T - chunk - 1, V] at positions chunk .. T-2 (the last one predicts nothing)."""
     out = []
     for start in range(0, input_ids.shape[1] - 1, chunk):
@@ -65,12 +63,13 @@ def _chunked_logprobs(model, input_ids: torch.Tensor, cache, chunk: int) -> torc
     return torch.cat(out)[:-1]
 
 
-def haystack_text(data_dir: Path) -> str:
-    essays = data_dir / "niah" / "PaulGrahamEssays"
-    files = sorted(essays.glob("*.txt"))
-    if not files:
-        raise FileNotFoundError(f"--data-dir: no essays in {essays}; point it at the shared data folder (…/shared/data)")
-    return "\n\n".join(f.read_text() for f in files)
+def compare(reference: torch.Tensor, logprobs: torch.Tensor, input_ids: torch.Tensor, chunk: int) -> dict[str, float]:
+    """Mean KL(reference || logprobs), top-1 agreement and perplexity over the positions after the prefill chunk."""
+    targets = input_ids[0, chunk + 1 :].to(logprobs.device)  # what those positions predict
+    kl = (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
+    agreement = (reference.argmax(-1) == logprobs.argmax(-1)).float().mean().item()
+    nll = -logprobs.gather(-1, targets[:, None]).mean()
+    return dict(mean_kl=kl, top1_agreement=agreement, perplexity=nll.exp().item())
 
 
 def main(argv=None) -> None:
@@ -91,9 +90,13 @@ def main(argv=None) -> None:
             KiviConfig.from_name(name)
     if args.text_file is None and args.data_dir is None:
         parser.error("pass --data-dir (or set KIVI_DATA_DIR) to the shared data folder, or --text-file")
-    text = args.text_file.read_text() if args.text_file else haystack_text(Path(args.data_dir))
+    from pipeline.models import load_model  # the CLI reuses the pipeline's model loader and haystack
+    from pipeline.workloads.niah import essay_paths
 
-    from pipeline.models import load_model  # the CLI's only dependency on the pipeline package
+    if args.text_file:
+        text = args.text_file.read_text()
+    else:
+        text = "\n\n".join(p.read_text(encoding="utf-8") for p in essay_paths(Path(args.data_dir)))
 
     model, tokenizer = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens].to(args.device)
@@ -104,9 +107,9 @@ def main(argv=None) -> None:
         print(json.dumps({"model": args.model, "tokens": args.tokens, "chunk": args.chunk, "dtype": args.dtype,
                           "rows": [asdict(r) for r in rows]}, indent=2))
         return
-    print(f"{'config':<14} {'cache':<30} {'mean KL':>10} {'ppl':>9} {'kv ratio':>9}")
+    print(f"{'config':<14} {'cache':<30} {'mean KL':>10} {'top-1':>7} {'ppl':>9} {'kv ratio':>9}")
     for r in rows:
-        print(f"{r.config:<14} {r.cache:<30} {r.mean_kl:>10.5f} {r.perplexity:>9.3f} {r.kv_ratio:>9.3f}")
+        print(f"{r.config:<14} {r.cache:<30} {r.mean_kl:>10.5f} {r.top1_agreement:>7.3f} {r.perplexity:>9.3f} {r.kv_ratio:>9.3f}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ class KVStream:
         self.n_resid: list[int] = []
         self.sink = self.resid = None  # [B, H, S, D], [B, H, capacity, D] in the model dtype
         self.packed: Quantized | None = None  # capacity buffers in the layout of kivi.quant
+        # float32 [B, H, capacity, D]: every stored token as attention reads it, in position order. Built on the
+        # first materialize() (the PyTorch path) and kept current, so each token is dequantized once, at flush.
+        self.view: torch.Tensor | None = None
 
     @property
     def quantizes(self) -> bool:
@@ -47,6 +50,7 @@ class KVStream:
             self._allocate(x)
         for b in range(x.shape[0]):
             tokens = x[b] if valid is None else x[b][:, valid[b]]  # [H, t_b, D]
+            self._view_write(b, self.lengths[b], tokens)
             take = min(self.sink_tokens - self.n_sink[b], tokens.shape[1])
             if take:
                 self.sink[b, :, self.n_sink[b] : self.n_sink[b] + take] = tokens[:, :take]
@@ -66,6 +70,7 @@ class KVStream:
             if n == 0:
                 continue
             q = quantize(self.resid[b : b + 1, :, :n], self.bits, self.group_size, self.dim)
+            self._view_write(b, self.n_sink[b] + self.n_quant[b], dequantize(q, self.bits, self.group_size, self.dim)[0])
             self._write_quantized(b, q)
             self.resid[b, :, : n_resid - n] = self.resid[b, :, n:n_resid].clone()
             self.n_resid[b] -= n
@@ -135,15 +140,28 @@ class KVStream:
         return dequantize(q, self.bits, self.group_size, self.dim)
 
     def materialize(self) -> torch.Tensor:
-        """All stored tokens in position order, float32 [B, H, max length, D], zero past each length."""
-        deq = self.dequantized() if any(self.n_quant) else None
-        out = self.resid.new_zeros(self.resid.shape[0], self.resid.shape[1], max(self.lengths), self.resid.shape[3], dtype=torch.float32)
-        for b, (s, q, r) in enumerate(zip(self.n_sink, self.n_quant, self.n_resid)):
-            out[b, :, :s] = self.sink[b, :, :s]
-            if q:
-                out[b, :, s : s + q] = deq[b, :, :q]
-            out[b, :, s + q : s + q + r] = self.resid[b, :, :r]
-        return out
+        """All stored tokens in position order, float32 [B, H, max length, D] (rows past a length are junk)."""
+        if self.view is None:
+            deq = self.dequantized() if any(self.n_quant) else None
+            batch, heads, _, dim = self.resid.shape
+            self.view = self.resid.new_zeros(batch, heads, max(self.lengths), dim, dtype=torch.float32)
+            for b, (s, q, r) in enumerate(zip(self.n_sink, self.n_quant, self.n_resid)):
+                self.view[b, :, :s] = self.sink[b, :, :s]
+                if q:
+                    self.view[b, :, s : s + q] = deq[b, :, :q]
+                self.view[b, :, s + q : s + q + r] = self.resid[b, :, :r]
+        return self.view[:, :, : max(self.lengths)]
+
+    def _view_write(self, b: int, start: int, tokens: torch.Tensor) -> None:
+        """Keep the float32 view current: tokens [H, t, D] now read as these values from position start."""
+        if self.view is None:
+            return
+        end = start + tokens.shape[1]
+        if end > self.view.shape[2]:
+            grown = self.view.new_zeros(*self.view.shape[:2], max(end, 2 * self.view.shape[2]), self.view.shape[3])
+            grown[:, :, : self.view.shape[2]] = self.view
+            self.view = grown
+        self.view[b, :, start:end] = tokens
 
     def nbytes(self) -> int:
         """Bytes held for the stored tokens: packed codes + scales + zeros + sinks + residual."""

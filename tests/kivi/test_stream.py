@@ -90,3 +90,17 @@ def test_nbytes_is_codes_plus_scales_plus_zeros_plus_residual(bits):
     quant = (n // residual * residual if bits < 16 else 0) * HEADS * DIM * 2  # elements, both sequences
     full = (n * HEADS * DIM * 2) - quant
     assert stream.nbytes() == quant * bits // 8 + 2 * (quant // group) * 2 + full * 2
+
+
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_the_incremental_view_equals_one_rebuilt_from_the_packed_storage(axis):
+    stream = KVStream(2, 32, 64, axis, sink_tokens=3)
+    stream.append(_tokens(70, batch=2), None)
+    stream.flush()
+    stream.materialize()  # from here on the view is updated at each append and flush
+    for step in range(150):
+        stream.append(_tokens(1, batch=2, seed=step + 1), None)
+        stream.flush()
+    incremental = stream.materialize().clone()
+    stream.view = None
+    assert torch.equal(stream.materialize(), incremental)

@@ -1,0 +1,112 @@
+"""kivi-eval: run a config, gate a run, write its report, query the archive.
+
+    kivi-eval run configs/smoke.yaml              # local Ray unless --address / RAY_ADDRESS
+    kivi-eval gate RUN_ID --rules configs/gates/nightly.yaml
+    kivi-eval report RUN_ID
+    kivi-eval query "SELECT * FROM kivi_deltas"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_ARCHIVE = os.environ.get("KIVI_ARCHIVE", "archive")
+
+
+def run_config(config_path: str, run_id: str | None = None, archive: str | None = None, address: str | None = None,
+               kind: str | None = None, baseline_run_id: str | None = None) -> int:
+    """Run (or resume) a config, then gate and report it; returns the gate's exit code (0 without rules)."""
+    from pipeline.config import load_config
+    from pipeline.runner import run
+
+    overrides = dict(archive=archive, kind=kind, baseline_run_id=baseline_run_id)
+    config = load_config(config_path, **overrides)
+    if address:
+        config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
+    summary = run(config, Path(config_path).read_text(), run_id)
+    print(f"run {summary.run_id}: computed {len(summary.computed)} shard×cache, reused {summary.reused}, "
+          f"sweeps {summary.sweeps}")
+    for placement in summary.placements:
+        print(f"  actor {placement}")
+    code = gate(summary.run_id, config.gate, str(config.archive), config.baseline_run_id) if config.gate else 0
+    report(summary.run_id, str(config.archive), str(config.reports))
+    return code
+
+
+def gate(run_id: str, rules_path, archive: str, baseline_run_id: str | None = None) -> int:
+    from pipeline.gate import evaluate, exit_code, load_gate, write_verdicts
+    from pipeline.store import Store, format_table
+
+    with Store(archive) as store:
+        verdicts = evaluate(store, run_id, load_gate(rules_path), baseline_run_id)
+    write_verdicts(archive, run_id, verdicts)
+    columns = ["rule", "cache", "observed", "threshold", "passed", "detail"]
+    print(format_table(columns, [[getattr(v, c) for c in columns] for v in verdicts]))
+    code = exit_code(verdicts)
+    print(f"gate {'PASSED' if code == 0 else 'FAILED'} for {run_id}")
+    return code
+
+
+def report(run_id: str, archive: str, out: str) -> Path:
+    from pipeline.report import write_report
+    from pipeline.store import Store
+
+    with Store(archive) as store:
+        path = write_report(store, run_id, Path(out) / run_id)
+    print(f"report: {path}")
+    return path
+
+
+def query(sql: str, archive: str) -> None:
+    from pipeline.store import Store, format_table
+
+    with Store(archive) as store:
+        print(format_table(*store.query(sql)))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kivi-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run or resume a config, then gate and report it")
+    p.add_argument("config")
+    p.add_argument("--run-id", help="resume this run (only missing shards are computed)")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
+    p.add_argument("--archive", help="archive root (default: the config's)")
+    p = sub.add_parser("gate", help="evaluate gate rules for a run; exit 0 only if all pass")
+    p.add_argument("run_id")
+    p.add_argument("--rules", required=True)
+    p.add_argument("--baseline", help="baseline run for canary rules (default: the run manifest's)")
+    p.add_argument("--archive", default=DEFAULT_ARCHIVE)
+    p = sub.add_parser("report", help="write reports/<run_id>/report.md with plots")
+    p.add_argument("run_id")
+    p.add_argument("--archive", default=DEFAULT_ARCHIVE)
+    p.add_argument("--out", default="reports")
+    p = sub.add_parser("query", help="read-only SQL over the archive (views: results, perf, runs, verdicts, kivi_deltas …)")
+    p.add_argument("sql")
+    p.add_argument("--archive", default=DEFAULT_ARCHIVE)
+    args = parser.parse_args(argv)
+
+    from pipeline.config import ConfigError
+    from pipeline.gate import GateConfigError
+    from pipeline.store import ReadOnlyError
+
+    try:
+        if args.command == "run":
+            return run_config(args.config, args.run_id, args.archive, args.address)
+        if args.command == "gate":
+            return gate(args.run_id, args.rules, args.archive, args.baseline)
+        if args.command == "report":
+            report(args.run_id, args.archive, args.out)
+        else:
+            query(args.sql, args.archive)
+        return 0
+    except (ConfigError, GateConfigError, ReadOnlyError) as err:
+        print(f"kivi-eval: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Run configuration: YAML validated into typed objects before anything heavy is loaded.
+
+Validation resolves every name (model spec, cache presets, workloads and their options, gate rules) and
+checks that every data source exists, so a bad config fails in a second with one message that names the
+field, instead of after a model load on a GPU node.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+
+from kivi import KiviConfig, KiviConfigError
+from pipeline.archive import FP16
+from pipeline.gate import GateConfig, GateConfigError, load_gate
+from pipeline.models import ModelSpecError, check_model_spec
+from pipeline.workloads import DataSourceError, UnknownWorkloadError, Workload, WorkloadOptionError, get_workload
+
+
+class ConfigError(ValueError):
+    """The config is invalid; the message names the file, the field and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    spec: str = Field(description="packaged short name, random:<shape>, .gguf file, local folder or Hub id")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_context: PositiveInt = Field(2048, description="prompt + generation tokens per request")
+    tokenizer: str | None = Field(None, description="tokenizer spec for random:<shape> models (e.g. smollm2-135m)")
+
+
+class RaySection(_Section):
+    address: str | None = Field(None, description="cluster address; None starts a local Ray (or joins RAY_ADDRESS)")
+    num_actors: PositiveInt | None = Field(None, description="None: one per GPU, or one CPU actor without GPUs")
+    cpus_per_actor: float | None = Field(None, gt=0, description="CPU actors only; None shares the cluster's CPUs")
+    shard_size: PositiveInt = Field(8, description="requests per shard (the unit of resume and retry)")
+    max_retries: int = Field(2, ge=0, description="restarts of a dead actor and retries of its shard")
+
+
+class GenerationSection(_Section):
+    batch_size: PositiveInt = Field(4, description="requests generated together (left-padded)")
+
+
+class SweepSection(_Section):
+    """The throughput sweep over ShareGPT requests: batch sizes double from `start` until OOM or `max_batch`."""
+
+    start: PositiveInt = 1
+    max_batch: PositiveInt = 256
+    max_new_tokens: PositiveInt | None = Field(None, description="cap on generated tokens per sequence")
+
+
+class RunConfig(_Section):
+    kind: Literal["smoke", "nightly", "canary"] = "nightly"
+    model: ModelSection
+    caches: tuple[str, ...] = Field(("kivi-2", "kivi-4"), description="KIVI presets compared with fp16")
+    cache_overrides: dict[str, dict[str, Any]] = Field(default_factory=dict, description="preset -> KiviConfig fields")
+    workloads: dict[str, dict[str, Any]]
+    data_dir: Path | None = Field(None, description="local data copies; None reads the Hub (env KIVI_DATA_DIR)")
+    archive: Path = Path("archive")
+    reports: Path = Field(Path("reports"), description="where reports/<run_id>/report.md is written")
+    gate: Path | None = Field(None, description="gate rules YAML, relative to the config file")
+    baseline_run_id: str | None = None
+    ray: RaySection = RaySection()
+    generation: GenerationSection = GenerationSection()
+    sweep: SweepSection = SweepSection()
+
+    @field_validator("workloads", mode="before")
+    @classmethod
+    def _no_options_means_defaults(cls, workloads: Any) -> Any:
+        return {k: v or {} for k, v in workloads.items()} if isinstance(workloads, dict) else workloads
+
+    @field_validator("caches")
+    @classmethod
+    def _fp16_is_implicit(cls, caches: tuple[str, ...]) -> tuple[str, ...]:
+        if FP16 in caches:
+            raise ValueError("fp16 is always run as the baseline; list only KIVI presets")
+        if len(set(caches)) != len(caches):
+            raise ValueError("a cache is listed twice")
+        return caches
+
+    def kivi_configs(self) -> dict[str, KiviConfig | None]:
+        """Cache name (the archive's `cache` column) -> KIVI config; fp16 first, mapped to None."""
+        out: dict[str, KiviConfig | None] = {FP16: None}
+        for preset in self.caches:
+            cfg = KiviConfig(**{**_preset_fields(preset), **self.cache_overrides.get(preset, {})})
+            out[cfg.name] = cfg
+        return out
+
+    def build_workloads(self) -> dict[str, Workload]:
+        return {name: get_workload(name, data_dir=self.data_dir, **opts) for name, opts in self.workloads.items()}
+
+    def gate_rules(self) -> GateConfig | None:
+        return load_gate(self.gate) if self.gate else None
+
+
+def _preset_fields(preset: str) -> dict[str, Any]:
+    from kivi.config import PRESETS
+
+    KiviConfig.from_name(preset)  # raises with a suggestion for unknown names
+    return PRESETS[preset]
+
+
+def load_config(path: str | os.PathLike[str], **overrides: Any) -> RunConfig:
+    """Read, validate and check a run config; every error is a ConfigError naming the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    if raw.get("data_dir") is None:
+        raw["data_dir"] = os.environ.get("KIVI_DATA_DIR")
+    if raw.get("gate"):
+        raw["gate"] = path.parent / raw["gate"] if not Path(raw["gate"]).is_absolute() else raw["gate"]
+    try:
+        config = RunConfig(**raw)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors())
+        raise ConfigError(f"{path}: {problems}") from None
+    _check(config, path)
+    return config
+
+
+def _check(config: RunConfig, path: Path) -> None:
+    def fail(field: str, err: Exception) -> None:
+        raise ConfigError(f"{path}: {field}: {err}") from None
+
+    try:
+        check_model_spec(config.model.spec)
+    except ModelSpecError as err:
+        fail("model.spec", err)
+    for preset in config.cache_overrides:
+        if preset not in config.caches:
+            fail(f"cache_overrides.{preset}", ValueError(f"not in caches {list(config.caches)}"))
+    try:
+        config.kivi_configs()
+    except KiviConfigError as err:
+        fail("caches", err)
+    if not config.workloads:
+        fail("workloads", ValueError("name at least one workload"))
+    for name, options in config.workloads.items():
+        try:
+            get_workload(name, data_dir=config.data_dir, **options).check_data()
+        except (UnknownWorkloadError, WorkloadOptionError, DataSourceError) as err:
+            fail(f"workloads.{name}", err)
+    if config.gate is not None:
+        if not config.gate.is_file():
+            fail("gate", FileNotFoundError(f"no gate rules file {config.gate}"))
+        try:
+            config.gate_rules()
+        except GateConfigError as err:
+            fail("gate", err)
+    if config.kind == "canary" and not config.baseline_run_id:
+        fail("baseline_run_id", ValueError("a canary needs the baseline run to compare with"))

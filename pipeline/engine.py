@@ -1,0 +1,136 @@
+"""Generation with one cache configuration: batched greedy decoding for accuracy, a batch sweep for throughput."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from kivi import KiviCache, KiviConfig, enable_kivi
+from kivi.fidelity import chunked_logprobs, compare
+from pipeline.workloads import Request
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    prompt_tokens: int
+    output_tokens: int
+    latency_s: float  # wall time of the batch it ran in
+
+
+def new_cache(model: PreTrainedModel, kivi: KiviConfig | None):
+    """The cache a run compares: DynamicCache for the fp16 baseline, KiviCache otherwise."""
+    return DynamicCache(config=model.config) if kivi is None else KiviCache(model.config, kivi)
+
+
+def cache_bytes(cache) -> int:
+    """Bytes the cache holds now (a DynamicCache holds padding too, in the model dtype)."""
+    if isinstance(cache, KiviCache):
+        return cache.kv_bytes()
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
+
+
+def fp16_bytes(model: PreTrainedModel, tokens: int) -> int:
+    """Bytes a 16-bit cache needs for ``tokens`` real tokens: the common yardstick of every cache's kv_bytes."""
+    cfg = model.config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * tokens
+
+
+class Engine:
+    """Owns the model (loaded once per worker) and runs requests under any cache configuration."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None):
+        self.model, self.tokenizer = enable_kivi(model), tokenizer
+        self.device = model.device
+
+    def prompt_text(self, request: Request) -> str:
+        if request.meta.get("apply_chat_template") and getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": request.prompt}]
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return request.prompt
+
+    @torch.inference_mode()
+    def generate(self, requests: list[Request], kivi: KiviConfig | None, batch_size: int) -> list[Generation]:
+        """Greedy generations in request order; each stops at its max_new_tokens, EOS or a stop string."""
+        out = []
+        for start in range(0, len(requests), batch_size):
+            out += self._generate_batch(requests[start : start + batch_size], kivi)
+        return out
+
+    def _generate_batch(self, batch: list[Request], kivi: KiviConfig | None) -> list[Generation]:
+        tok = self.tokenizer
+        enc = tok([self.prompt_text(r) for r in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = enc.to(self.device)
+        stops = sorted({s for r in batch for s in r.meta.get("stop", [])})
+        began = time.perf_counter()
+        ids = self.model.generate(
+            **enc, past_key_values=new_cache(self.model, kivi), do_sample=False,
+            max_new_tokens=max(r.max_new_tokens for r in batch), pad_token_id=tok.pad_token_id,
+            stop_strings=stops or None, tokenizer=tok if stops else None,
+        )
+        latency = time.perf_counter() - began
+        results = []
+        for row, request in enumerate(batch):
+            new = ids[row, enc.input_ids.shape[1] :][: request.max_new_tokens]
+            new = _until_end(new, {tok.eos_token_id, tok.pad_token_id})
+            text = _cut_at_stop(tok.decode(new, skip_special_tokens=True), request.meta.get("stop", []))
+            results.append(Generation(text, int(enc.attention_mask[row].sum()), len(new), latency))
+        return results
+
+    @torch.inference_mode()
+    def teacher_forced(self, request: Request, kivi: KiviConfig | None) -> dict[str, float]:
+        """Top-1 agreement, mean KL to fp16 and perplexity of the cache on the request's text."""
+        tokens, chunk = request.meta["tokens"], request.meta["chunk"]
+        ids = self.tokenizer(request.prompt, return_tensors="pt", add_special_tokens=False).input_ids[:, :tokens]
+        ids = ids.to(self.device)
+        reference = chunked_logprobs(self.model, ids, new_cache(self.model, None), chunk)
+        logprobs = reference if kivi is None else chunked_logprobs(self.model, ids, new_cache(self.model, kivi), chunk)
+        return compare(reference, logprobs, ids, chunk) | {"tokens": int(ids.shape[1])}
+
+    @torch.inference_mode()
+    def throughput(self, requests: list[Request], kivi: KiviConfig | None, batch_size: int, max_new_tokens: int | None) -> dict:
+        """Decode the first ``batch_size`` requests together, EOS ignored, and time it.
+
+        Every sequence generates the batch's longest expected output (capped by ``max_new_tokens``), so the
+        tokens counted are exactly the tokens produced. Raises torch.OutOfMemoryError when the batch does not fit.
+        """
+        batch = requests[:batch_size]
+        gen_len = max(r.max_new_tokens for r in batch)
+        gen_len = min(gen_len, max_new_tokens) if max_new_tokens else gen_len
+        enc = self.tokenizer([r.prompt for r in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = enc.to(self.device)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        cache = new_cache(self.model, kivi)
+        began = time.perf_counter()
+        self.model.generate(**enc, past_key_values=cache, do_sample=False, min_new_tokens=gen_len,
+                            max_new_tokens=gen_len, pad_token_id=self.tokenizer.pad_token_id)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - began
+        return dict(
+            batch_size=len(batch), prompt_len=int(enc.input_ids.shape[1]), gen_len=gen_len,
+            tokens_per_s=len(batch) * gen_len / elapsed,
+            peak_mem_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
+            kv_bytes=cache_bytes(cache),
+            # the last token is generated but never stored
+            fp16_kv_bytes=fp16_bytes(self.model, int(enc.attention_mask.sum()) + len(batch) * (gen_len - 1)),
+            oom=False,
+        )
+
+
+def _until_end(tokens: torch.Tensor, end_ids: set[int]) -> torch.Tensor:
+    """The tokens before the first EOS or padding (a finished row of a batch is padded to the end)."""
+    hits = torch.isin(tokens, torch.tensor(sorted(end_ids), device=tokens.device)).nonzero()
+    return tokens[: int(hits[0])] if len(hits) else tokens
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> str:
+    cut = min((text.find(s) for s in stops if s in text), default=len(text))
+    return text[:cut]

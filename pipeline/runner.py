@@ -1,0 +1,155 @@
+"""A run end to end on Ray: requests, deterministic shards, one actor per GPU, resume of what is missing."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import importlib.metadata
+import os
+import subprocess
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+from tqdm import tqdm
+
+from pipeline.archive import ArchiveWriter
+from pipeline.config import RunConfig
+from pipeline.models import load_tokenizer
+from pipeline.worker import CRASH_ONCE_ENV, EvalWorker, RunContext, Shard
+
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    computed: list[tuple[str, int, str]] = field(default_factory=list)  # (workload, shard, cache) run now
+    reused: int = 0  # shard × cache files already in the archive (a resumed run)
+    sweeps: list[str] = field(default_factory=list)
+    placements: list[dict] = field(default_factory=list)
+
+
+def new_run_id(kind: str) -> str:
+    return f"{kind}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+
+
+def make_shards(workload: str, requests: list, shard_size: int) -> list[Shard]:
+    """Requests ordered by (task, request_id), cut into fixed-size shards: the same config gives the same shards."""
+    ordered = sorted(requests, key=lambda r: (r.task, r.request_id))
+    return [Shard(workload, i // shard_size, tuple(ordered[i : i + shard_size])) for i in range(0, len(ordered), shard_size)]
+
+
+def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress: bool = True) -> RunSummary:
+    """Run (or resume, when ``run_id`` names an unfinished run) and return what was computed."""
+    run_id = run_id or new_run_id(config.kind)
+    archive = ArchiveWriter(config.archive, run_id)
+    manifest = archive.read_run()
+    started = manifest["started_at"] if manifest else dt.datetime.now(dt.UTC)
+    ctx = RunContext(run_id, config, started, _git_sha())
+    if manifest is None:
+        archive.write_run(dict(kind=config.kind, model=config.model.spec, git_sha=ctx.git_sha, config_yaml=config_yaml,
+                               baseline_run_id=config.baseline_run_id, started_at=started, versions=_versions()))
+    else:
+        archive.update_run_status("running")
+    summary = RunSummary(run_id)
+    try:
+        shard_jobs, sweep_jobs, skipped = _plan(config, archive, summary)
+        _execute(config, ctx, shard_jobs, sweep_jobs, summary, progress)
+    except BaseException:
+        archive.update_run_status("failed")
+        raise
+    archive.update_run_status("complete", skipped=skipped)
+    return summary
+
+
+def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary):
+    tokenizer = load_tokenizer(config.model.tokenizer or config.model.spec)
+    caches = list(config.kivi_configs())
+    shard_jobs, sweep_jobs, skipped = [], [], {}
+    budget = config.model.max_context - _chat_template_tokens(tokenizer)
+    for name, workload in config.build_workloads().items():
+        requests = workload.requests(tokenizer, budget)
+        skipped[name] = dict(workload.skipped)
+        if workload.kind == "throughput":
+            done = archive.perf_caches(name)
+            sweep_jobs += [(name, requests, cache) for cache in caches if cache not in done]
+            continue
+        for shard in make_shards(name, requests, config.ray.shard_size):
+            todo = [c for c in caches if shard.index not in archive.done_shards(name, c)]
+            summary.reused += len(caches) - len(todo)
+            if todo:
+                shard_jobs.append((shard, todo))
+    return shard_jobs, sweep_jobs, skipped
+
+
+def _execute(config: RunConfig, ctx: RunContext, shard_jobs, sweep_jobs, summary: RunSummary, progress: bool) -> None:
+    if not shard_jobs and not sweep_jobs:
+        return
+    if not ray.is_initialized():
+        ray.init(address=config.ray.address, log_to_driver=True)
+    cluster = ray.cluster_resources()
+    gpus = int(cluster.get("GPU", 0))
+    n_actors = config.ray.num_actors or max(gpus, 1)
+    # Ray sets a CPU actor's torch threads to its num_cpus: without GPUs, actors split the cluster's cores.
+    cpus = config.ray.cpus_per_actor or max(int(cluster.get("CPU", 1)) // n_actors, 1)
+    resources = dict(num_gpus=1) if gpus else dict(num_cpus=cpus)
+    # A dead actor is restarted (reloading the model) and its in-flight shard retried; writes are idempotent.
+    actor_cls = ray.remote(max_restarts=config.ray.max_retries, max_task_retries=config.ray.max_retries)(EvalWorker)
+    if CRASH_ONCE_ENV in os.environ:  # fault injection reaches actors of an already running cluster too
+        resources["runtime_env"] = {"env_vars": {CRASH_ONCE_ENV: os.environ[CRASH_ONCE_ENV]}}
+    actors = [actor_cls.options(**resources).remote(ctx) for _ in range(n_actors)]
+    summary.placements = ray.get([a.placement.remote() for a in actors])
+    jobs = [("shard", job) for job in shard_jobs] + [("sweep", job) for job in sweep_jobs]
+    bar = tqdm(total=len(jobs), desc=f"run {ctx.run_id}", unit="job", disable=not progress)
+    idle, running = list(actors), {}
+    try:
+        while jobs or running:
+            while jobs and idle:
+                kind, job = jobs.pop(0)
+                actor = idle.pop()
+                ref = actor.run_shard.remote(*job) if kind == "shard" else actor.run_sweep.remote(*job)
+                running[ref] = (actor, kind, job)
+            (ref,), _ = ray.wait(list(running), num_returns=1)
+            actor, kind, job = running.pop(ref)
+            ray.get(ref)  # re-raises a failure that outlived its retries: the run stops, a rerun resumes
+            idle.append(actor)
+            if kind == "shard":
+                summary.computed += [(job[0].workload, job[0].index, cache) for cache in job[1]]
+            else:
+                summary.sweeps.append(job[2])
+            bar.update()
+    finally:
+        bar.close()
+        for actor in actors:
+            ray.kill(actor)
+
+
+def _chat_template_tokens(tokenizer) -> int:
+    """Tokens the chat template adds around a prompt (the engine applies it where a request asks)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return 0
+    return len(tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=True))
+
+
+def _git_sha() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _versions() -> dict[str, str]:
+    versions = {}
+    for package in ("torch", "transformers", "triton", "ray"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = "absent"
+    digest = hashlib.sha256()
+    for source in sorted(KERNELS_DIR.glob("*.py")):
+        digest.update(source.read_bytes())
+    versions["kernels"] = digest.hexdigest()[:12]  # canaries gate kernel changes by this hash
+    return versions

@@ -1,0 +1,146 @@
+"""The evaluation worker: loads the model once, runs shards under every cache configuration, writes Parquet.
+
+The class is plain Python so it runs the same with or without Ray; ``pipeline.runner`` wraps it in a Ray
+actor that pins one GPU (or some CPUs). Results are written by the worker as each shard × cache finishes,
+one file each, atomically: a dead worker loses only the shard it was on, and a retry overwrites, never
+duplicates.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.archive import ArchiveWriter
+from pipeline.config import RunConfig
+from pipeline.engine import Engine, Generation
+from pipeline.models import default_dtype, load_model, load_tokenizer
+from pipeline.workloads import Request, Workload
+
+# Fault injection for the failure tests: the worker process exits when it starts this shard the first time.
+CRASH_ONCE_ENV = "KIVI_EVAL_CRASH_ONCE"
+
+
+@dataclass(frozen=True)
+class RunContext:
+    run_id: str
+    config: RunConfig
+    started_at: dt.datetime
+    git_sha: str | None
+
+
+@dataclass(frozen=True)
+class Shard:
+    workload: str
+    index: int
+    requests: tuple[Request, ...]
+
+
+class EvalWorker:
+    def __init__(self, ctx: RunContext):
+        self.ctx, cfg = ctx, ctx.config
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = default_dtype(self.device) if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+        model, tokenizer = load_model(cfg.model.spec, self.device, dtype)
+        self.engine = Engine(model, tokenizer or load_tokenizer(cfg.model.tokenizer))
+        self.workloads: dict[str, Workload] = cfg.build_workloads()
+        self.caches = cfg.kivi_configs()
+        self.archive = ArchiveWriter(cfg.archive, ctx.run_id)
+
+    def placement(self) -> dict:
+        """Where this worker runs: what a multi-GPU run reports per actor."""
+        try:
+            import ray
+
+            gpu_ids = [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
+        except ImportError:
+            gpu_ids = []
+        return dict(host=socket.gethostname(), pid=os.getpid(), device=str(self.device), ray_gpu_ids=gpu_ids,
+                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    gpu_name=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
+
+    def run_shard(self, shard: Shard, caches: list[str]) -> dict[str, int]:
+        """Generate, score and write one shard under each named cache; returns rows written per cache."""
+        self._maybe_crash(shard)
+        workload = self.workloads[shard.workload]
+        written = {}
+        for cache in caches:
+            began = time.perf_counter()
+            if workload.kind == "teacher_forced":
+                rows = [self._fidelity_row(cache, r, workload) for r in shard.requests]
+            else:
+                generations = self._generate(list(shard.requests), cache)
+                rows = [self._row(cache, r, g, err, workload) for r, (g, err) in zip(shard.requests, generations)]
+            self.archive.write_results(shard.workload, cache, shard.index, rows)
+            written[cache] = len(rows)
+            # Per-shard progress: Ray forwards an actor's stdout to the driver, prefixed with the actor.
+            print(f"{shard.workload} shard {shard.index} {cache}: {len(rows)} requests in {time.perf_counter() - began:.1f} s",
+                  flush=True)
+        return written
+
+    def run_sweep(self, workload: str, requests: list[Request], cache: str) -> list[dict]:
+        """Throughput at doubling batch sizes until OOM or the sweep's limit; perf rows written and returned."""
+        sweep, kivi = self.ctx.config.sweep, self.caches[cache]
+        rows, batch = [], sweep.start
+        while batch <= min(sweep.max_batch, len(requests)):
+            try:
+                point = self.engine.throughput(requests, kivi, batch, sweep.max_new_tokens)
+            except torch.OutOfMemoryError:
+                point = dict(batch_size=batch, oom=True)
+            rows.append(dict(model=self.ctx.config.model.spec, cache=cache, workload=workload,
+                             device=self.placement()["gpu_name"] or "cpu", **point))
+            if point["oom"]:
+                break
+            batch *= 2
+        self.archive.write_perf(rows)
+        return rows
+
+    def _generate(self, requests: list[Request], cache: str) -> list[tuple[Generation | None, str | None]]:
+        batch_size = self.ctx.config.generation.batch_size
+        try:
+            return [(g, None) for g in self.engine.generate(requests, self.caches[cache], batch_size)]
+        except torch.OutOfMemoryError as err:  # recorded per row; the run goes on
+            return [(None, f"OutOfMemoryError: {err}".splitlines()[0])] * len(requests)
+
+    def _row(self, cache: str, request: Request, gen: Generation | None, error: str | None, workload: Workload) -> dict:
+        score = workload.score(request, gen.text) if gen else None
+        return self._common(cache, request, workload) | dict(
+            prompt_tokens=gen and gen.prompt_tokens, output_tokens=gen and gen.output_tokens,
+            prediction=gen and gen.text, score=score and score.value, metric=score and score.metric,
+            latency_s=gen and gen.latency_s, error=error,
+        )
+
+    def _fidelity_row(self, cache: str, request: Request, workload: Workload) -> dict:
+        began = time.perf_counter()
+        stats = self.engine.teacher_forced(request, self.caches[cache])
+        row = self._common(cache, request, workload) | dict(
+            prompt_tokens=stats["tokens"], output_tokens=0, score=stats["top1_agreement"], metric="top1_agreement_vs_fp16",
+            latency_s=time.perf_counter() - began,
+        )
+        row["meta"] = json.dumps(json.loads(row["meta"]) | {k: stats[k] for k in ("mean_kl", "perplexity")})
+        return row
+
+    def _common(self, cache: str, request: Request, workload: Workload) -> dict:
+        kivi = self.caches[cache]
+        return dict(
+            started_at=self.ctx.started_at, git_sha=self.ctx.git_sha, model=self.ctx.config.model.spec,
+            workload_version=workload.version, task=request.task, request_id=request.request_id,
+            k_bits=kivi and kivi.k_bits, v_bits=kivi and kivi.v_bits, group_size=kivi and kivi.group_size,
+            residual_length=kivi and kivi.residual_length, reference=request.reference,
+            meta=json.dumps({k: v for k, v in request.meta.items() if k != "stop"}),
+        )
+
+    def _maybe_crash(self, shard: Shard) -> None:
+        if os.environ.get(CRASH_ONCE_ENV) != f"{shard.workload}:{shard.index}":
+            return
+        marker = self.archive.root / f".crashed-{self.ctx.run_id}-{shard.workload}-{shard.index}"
+        if not marker.exists():
+            marker.touch()
+            os._exit(1)  # a hard death, as an OOM kill or a lost node
+

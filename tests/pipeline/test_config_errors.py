@@ -1,0 +1,75 @@
+"""Bad input gets one clear message naming the field, before any model loads, and writes nothing."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import ConfigError, RunConfig, load_config
+
+MODEL = {"spec": "smollm2-135m"}
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _kivi_eval_run(config: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(config)], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(workloads={"gsm8": {"n": 2}}), "workloads.gsm8: Unknown workload 'gsm8': did you mean 'gsm8k'?"),
+        (dict(workloads={"gsm8k": {"n": 0}}), "workloads.gsm8k: workload 'gsm8k': option 'n'"),
+        (dict(caches=["kivi-2"], cache_overrides={"kivi-2": {"residual_length": 100}}, workloads={"gsm8k": {"n": 2}}),
+         "caches: KiviConfig.residual_length=100 must be >= 0 and a multiple of group_size=32; use 96 or 128"),
+        (dict(caches=["kivi2"], workloads={"gsm8k": {"n": 2}}), "did you mean 'kivi-2'"),
+        (dict(caches=["fp16", "kivi-2"], workloads={"gsm8k": {"n": 2}}), "fp16 is always run as the baseline"),
+        (dict(kind="canary", workloads={"gsm8k": {"n": 2}}), "baseline_run_id: a canary needs the baseline run"),
+        (dict(model={"spec": "random:llama-9b"}, workloads={"gsm8k": {"n": 2}}), "model.spec: model: unknown shape 'llama-9b'"),
+        (dict(workloads={"gsm8k": {"n": 2}}, gate="missing-rules.yaml"), "gate: no gate rules file"),
+    ],
+)
+def test_a_bad_config_names_the_field_and_the_fix(write_config, data_dir, fields, message):
+    path = write_config(model=fields.pop("model", MODEL), data_dir=str(data_dir), **fields)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert message in str(err.value)
+
+
+def test_a_missing_data_folder_is_named(write_config, tmp_path):
+    path = write_config(model=MODEL, data_dir=str(tmp_path / "nowhere"), workloads={"gsm8k": {"n": 2}})
+    with pytest.raises(ConfigError, match=r"workloads.gsm8k: .*nowhere"):
+        load_config(path)
+
+
+def test_an_unreachable_hub_without_a_local_folder_says_to_set_data_dir(write_config, monkeypatch):
+    monkeypatch.delenv("KIVI_DATA_DIR", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = write_config(model=MODEL, workloads={"gsm8k": {"n": 2}})
+    with pytest.raises(ConfigError, match="workloads.gsm8k: .*data_dir"):
+        load_config(path)
+
+
+def test_the_cli_fails_fast_with_one_line_and_no_archive(write_config, data_dir, tmp_path):
+    path = write_config(model=MODEL, data_dir=str(data_dir), workloads={"longbench": {"tasks": ["qaspr"]}})
+    result = _kivi_eval_run(path)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("kivi-eval: error:")]
+    assert len(errors) == 1 and "workloads.longbench" in errors[0]
+    assert not (tmp_path / "archive").exists()
+
+
+def test_the_cpu_configs_validate_against_the_local_data(data_dir):
+    for name in ("smoke.yaml", "ci.yaml"):
+        config = load_config(CONFIGS / name, data_dir=str(data_dir))
+        assert list(config.kivi_configs())[0] == "fp16"
+
+
+def test_the_gpu_configs_are_well_formed():
+    # They read the full data sets from the Hub, so only their structure is checked here.
+    for name in ("nightly.yaml", "canary.yaml"):
+        raw = yaml.safe_load((CONFIGS / name).read_text())
+        config = RunConfig(**{**raw, "gate": CONFIGS / raw["gate"]})
+        assert config.gate_rules().rules and len(config.kivi_configs()) == 3

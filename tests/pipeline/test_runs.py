@@ -1,0 +1,76 @@
+"""Runs on a real Ray head node with SmolLM2: an actor killed mid-run, a run interrupted and resumed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.runner import run
+from pipeline.store import Store
+from pipeline.worker import CRASH_ONCE_ENV
+
+pytestmark = pytest.mark.slow
+
+MODEL = {"spec": "smollm2-135m", "max_context": 1024}
+GSM8K = {"n": 6, "num_fewshot": 1, "max_new_tokens": 24}
+
+
+def _rows(archive, run_id):
+    with Store(archive) as store:
+        return store.records(
+            "SELECT request_id, cache, prediction, score, error FROM results WHERE run_id = $1 ORDER BY ALL", [run_id])
+
+
+def test_a_killed_actor_is_replaced_and_the_archive_has_one_row_per_request_and_cache(
+        write_config, data_dir, tmp_path, ray_head, monkeypatch):
+    # A GSM8K copy with two malformed records: skipped, counted in the manifest and the report.
+    gsm8k = tmp_path / "data" / "gsm8k"
+    gsm8k.mkdir(parents=True)
+    lines = (data_dir / "gsm8k" / "test.jsonl").read_text().splitlines()
+    (gsm8k / "test.jsonl").write_text("\n".join(lines[:20] + ['{"question": "no answer"}', "{broken json"]) + "\n")
+    (gsm8k / "train.jsonl").write_text((data_dir / "gsm8k" / "train.jsonl").read_text())
+    path = write_config(model=MODEL, caches=["kivi-2"], data_dir=str(tmp_path / "data"), workloads={"gsm8k": GSM8K},
+                        generation={"batch_size": 2}, ray={"address": ray_head[0], "num_actors": 2, "shard_size": 1})
+    config = load_config(path)
+    monkeypatch.setenv(CRASH_ONCE_ENV, "gsm8k:2")  # the actor running shard 2 dies the first time
+    summary = run(config, path.read_text(), progress=False)
+
+    assert any(config.archive.glob(f".crashed-{summary.run_id}-gsm8k-2")), "the fault was not injected"
+    rows = _rows(config.archive, summary.run_id)
+    keys = [(r["request_id"], r["cache"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 6 * 2
+    assert all(r["error"] is None and r["prediction"] is not None for r in rows)
+    with Store(config.archive) as store:
+        (skipped,), = store.query("SELECT skipped FROM runs WHERE run_id = $1", [summary.run_id])[1]
+    assert sum(json.loads(skipped)["gsm8k"].values()) == 2
+
+
+def test_an_interrupted_run_resumes_only_the_missing_shards_and_equals_an_uninterrupted_run(
+        write_config, data_dir, tmp_path, ray_head):
+    path = write_config(model=MODEL, caches=["kivi-2"], data_dir=str(data_dir), workloads={"gsm8k": GSM8K},
+                        generation={"batch_size": 2}, ray={"address": ray_head[0], "num_actors": 1, "shard_size": 1})
+    config = load_config(path)
+    total = 6 * 2  # shards × caches
+    results = config.archive / "results" / "run_id=interrupted"
+    driver = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(path), "--run-id", "interrupted"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while len(list(results.rglob("shard-*.parquet"))) < 3 and time.time() < deadline and driver.poll() is None:
+        time.sleep(0.2)
+    os.killpg(driver.pid, signal.SIGKILL)  # the driver dies: no cleanup, no status update
+    driver.wait()
+    done = len(list(results.rglob("shard-*.parquet")))
+    assert 0 < done < total, f"interrupted after {done} of {total} files"
+
+    resumed = run(config, path.read_text(), run_id="interrupted", progress=False)
+    assert resumed.reused == done
+    assert len(resumed.computed) == total - done  # only the missing shard × cache pairs
+
+    fresh = run(config, path.read_text(), run_id="uninterrupted", progress=False)
+    assert len(fresh.computed) == total
+    assert _rows(config.archive, "interrupted") == _rows(config.archive, "uninterrupted")
