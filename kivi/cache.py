@@ -25,9 +25,9 @@ class KiviLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, config: KiviConfig):
+    def __init__(self, config: KiviConfig, use_kernels: bool = True):
         super().__init__()
-        self.config = config
+        self.config, self.use_kernels = config, use_kernels
         g, r, s = config.group_size, config.residual_length, config.sink_tokens
         self.key_stream = KVStream(config.k_bits, g, r, config.key_axis, s)
         self.value_stream = KVStream(config.v_bits, g, r, config.value_axis, s)
@@ -60,6 +60,10 @@ class KiviLayer(CacheLayerMixin):
         self.value_stream.append(values, valid)
         if first_step:  # nothing cached before: exact attention over the prompt, padding masked as usual
             out, _ = sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling)
+        elif self.use_kernels and query.is_cuda and _fused_decode_unsupported(query, self.key_stream, self.value_stream) is None:
+            from kernels.decode_attention import decode_attention
+
+            out = decode_attention(query, self.key_stream, self.value_stream, scaling).transpose(1, 2)
         else:
             lengths = torch.tensor(self.key_stream.lengths, device=query.device)
             out = attention_over_cache(
@@ -94,11 +98,12 @@ class KiviLayer(CacheLayerMixin):
 class KiviCache(Cache):
     """A KIVI cache for every layer of ``model_config`` (use with a model passed through ``enable_kivi``)."""
 
-    def __init__(self, model_config: PretrainedConfig, config: KiviConfig | None = None):
+    def __init__(self, model_config: PretrainedConfig, config: KiviConfig | None = None, use_kernels: bool = True):
+        """``use_kernels=False`` keeps CUDA tensors on the PyTorch oracle (for comparisons with the kernels)."""
         config = config or KiviConfig()
         text = model_config.get_text_config(decoder=True)
         _check_fits_model(config, text)
-        super().__init__(layers=[KiviLayer(config.for_layer(i)) for i in range(text.num_hidden_layers)])
+        super().__init__(layers=[KiviLayer(config.for_layer(i), use_kernels) for i in range(text.num_hidden_layers)])
         self.config = config
 
     def kv_bytes(self) -> int:
@@ -131,6 +136,12 @@ def _check_fits_model(config: KiviConfig, text: PretrainedConfig) -> None:
                 )
             if bits < 16 and axis == "token" and head_dim % codes_per_word(bits):
                 raise KiviConfigError(f"head_dim={head_dim} must be a multiple of {codes_per_word(bits)} for {bits}-bit {stream}s")
+
+
+def _fused_decode_unsupported(query: torch.Tensor, key_stream: KVStream, value_stream: KVStream) -> str | None:
+    from kernels.decode_attention import unsupported  # imported on CUDA only: Triton stays off the CPU path
+
+    return unsupported(query, key_stream, value_stream)
 
 
 def _real_tokens(attention_mask, step_len: int, allow_padding: bool) -> torch.Tensor | None:

@@ -69,11 +69,19 @@ class KVStream:
             n = self._tokens_to_flush(n_resid)
             if n == 0:
                 continue
-            q = quantize(self.resid[b : b + 1, :, :n], self.bits, self.group_size, self.dim)
-            self._view_write(b, self.n_sink[b] + self.n_quant[b], dequantize(q, self.bits, self.group_size, self.dim)[0])
+            q = self._quantize(self.resid[b : b + 1, :, :n])
+            if self.view is not None:
+                self._view_write(b, self.n_sink[b] + self.n_quant[b], dequantize(q, self.bits, self.group_size, self.dim)[0])
             self._write_quantized(b, q)
             self.resid[b, :, : n_resid - n] = self.resid[b, :, n:n_resid].clone()
             self.n_resid[b] -= n
+
+    def _quantize(self, x: torch.Tensor) -> Quantized:
+        if x.is_cuda and not self.group_size & (self.group_size - 1):  # the fused kernel takes power-of-two groups
+            from kernels.quantize import quantize as fused_quantize
+
+            return fused_quantize(x, self.bits, self.group_size, self.axis)
+        return quantize(x, self.bits, self.group_size, self.dim)
 
     def _tokens_to_flush(self, n_resid: int) -> int:
         g, r = self.group_size, self.residual_length

@@ -1,0 +1,229 @@
+"""Kernel benchmark: ``python -m kernels.bench [--json PATH] [--sweep]``.
+
+Decode attention for one new token per sequence, fp16 SDPA against the fused KIVI-2 and KIVI-4 kernels, at
+batch B and context S, for the Llama-2-7B attention shape (32 heads, head_dim 128, MHA) and a GQA shape
+(32 query / 8 KV heads); and quantize + pack. Every time is a ``triton.testing.do_bench`` median over input
+sets rotated through more than 4x the L2 cache. Effective bandwidth = bytes that must be read and written /
+time, as % of a device-to-device copy measured in the same run. ``--sweep`` times launch variants instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from kernels.decode_attention import decode_attention_tensors, default_num_splits
+from kernels.quantize import packed_shapes, quantize_into
+from kivi.quant import Quantized
+
+SHAPES = {"llama2-7b": (32, 32, 128), "gqa-32/8": (32, 8, 128)}  # query heads, KV heads, head_dim
+BATCHES = (1, 8, 32)
+CONTEXTS = (4096, 16384, 32768, 131072)
+GROUP, RESIDUAL = 32, 128  # KiviConfig defaults
+DTYPE = torch.float16
+
+
+def median_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy, bytes read plus bytes written."""
+    src = torch.randn(2**29, device="cuda", dtype=DTYPE)  # 1 GiB
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / (median_ms(lambda: dst.copy_(src)) * 1e-3)
+
+
+def rotated(make, set_bytes: int):
+    """A function cycling over enough input sets to span 4x the L2: ``make(False)`` on the inputs themselves,
+    ``make(True)`` on copies of them."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    sets = [make(i > 0) for i in range(max(1, -(-4 * l2 // set_bytes)))]
+    state = itertools.count()
+    return lambda: sets[next(state) % len(sets)]()
+
+
+@dataclass
+class DecodeCase:
+    shape: str
+    batch: int
+    tokens: int
+
+    @property
+    def heads(self) -> tuple[int, int, int]:
+        return SHAPES[self.shape]
+
+
+def kivi_args(keys: torch.Tensor, values: torch.Tensor, bits: int) -> dict:
+    """KVStream-layout buffers of these K/V as KiviLayer holds them while it attends to the newest token:
+    keys flushed in blocks of R with 1..R in the residual, values with a window of R + 1."""
+    batch, kv_heads, tokens, dim = keys.shape
+    n_rk = (tokens - 1) % RESIDUAL + 1
+    n_rv = min(tokens, RESIDUAL + 1)
+    kq = _quantize(keys[:, :, : tokens - n_rk], bits, "channel")
+    vq = _quantize(values[:, :, : tokens - n_rv], bits, "token")
+    counts = torch.tensor([[0] * batch, [tokens - n_rk] * batch, [tokens - n_rv] * batch, [tokens] * batch], dtype=torch.int32)
+    sink = keys.new_empty(batch, kv_heads, 0, dim)
+    return dict(
+        k_sink=sink, k_codes=kq.codes, k_scale=kq.scale, k_zero=kq.zero, k_resid=keys[:, :, tokens - n_rk :].contiguous(),
+        v_sink=sink, v_codes=vq.codes, v_scale=vq.scale, v_zero=vq.zero, v_resid=values[:, :, tokens - n_rv :].contiguous(),
+        counts=counts.cuda(), k_bits=bits, v_bits=bits, group_size=GROUP,
+    )
+
+
+def _quantize(x: torch.Tensor, bits: int, axis: str) -> Quantized:
+    code_shape, stat_shape = packed_shapes(tuple(x.shape), bits, GROUP, axis)
+    out = Quantized(torch.empty(code_shape, dtype=torch.int32, device="cuda"), x.new_empty(stat_shape), x.new_empty(stat_shape))
+    return quantize_into(x, out, bits, GROUP, axis)
+
+
+def kivi_bytes(args: dict, query: torch.Tensor) -> int:
+    return sum(t.nbytes for t in args.values() if isinstance(t, torch.Tensor)) + 2 * query.nbytes
+
+
+def sdpa_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):  # -> () -> [B, Hkv, Hq/Hkv, D]
+    """fp16 SDPA for one token; GQA folds the query heads of a KV head into q_len (no mask is needed at decode),
+    the usual way to run grouped decode on the flash kernels without repeating K/V."""
+    batch, q_heads, _, dim = query.shape
+    folded = query.view(batch, keys.shape[1], q_heads // keys.shape[1], dim)
+    return lambda: F.scaled_dot_product_attention(folded, keys, values)
+
+
+def time_sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[float, int]:
+    nbytes = keys.nbytes + values.nbytes + 2 * query.nbytes
+    fn = rotated(lambda copy: sdpa_decode(query, *((keys.clone(), values.clone()) if copy else (keys, values))), nbytes)
+    return median_ms(fn), nbytes
+
+
+def time_kivi(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bits: int, per_sm: int = 4, **launch) -> tuple[float, int, int]:
+    """(median ms, bytes, splits) of the fused kernel; ``launch`` goes to decode_attention_tensors."""
+    batch, kv_heads, tokens, dim = keys.shape
+    args = kivi_args(keys, values, bits)
+    splits = default_num_splits(batch, kv_heads, tokens, query.device, per_sm)
+    nbytes = kivi_bytes(args, query)
+
+    def make(copy: bool):
+        inputs = {k: (v.clone() if copy and isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+        return lambda: decode_attention_tensors(query, **inputs, scaling=dim**-0.5, num_splits=splits, **launch)
+
+    return median_ms(rotated(make, nbytes)), nbytes, splits
+
+
+def decode_inputs(case: DecodeCase, gen: torch.Generator):
+    """query [B, Hq, 1, D] and random fp16 keys (a few outlier channels) and values [B, Hkv, S, D], drawn
+    directly in fp16 so that the largest cases fit."""
+    q_heads, kv_heads, dim = case.heads
+    shape = (case.batch, kv_heads, case.tokens, dim)
+    keys = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+    keys[..., :: dim // 8] *= 10
+    values = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+    return torch.randn(case.batch, q_heads, 1, dim, generator=gen, device="cuda", dtype=DTYPE), keys, values
+
+
+def time_decode(case: DecodeCase, gen: torch.Generator) -> dict:
+    query, keys, values = decode_inputs(case, gen)
+    row = {"shape": case.shape, "batch": case.batch, "tokens": case.tokens}
+    row["sdpa_ms"], row["sdpa_bytes"] = time_sdpa(query, keys, values)
+    for bits in (2, 4):
+        row[f"kivi{bits}_ms"], row[f"kivi{bits}_bytes"], row["splits"] = time_kivi(query, keys, values, bits)
+    return row
+
+
+def time_quantize(copy_bw: float) -> list[dict]:
+    rows = []
+    x = torch.randn(8, 32, 4096, 128, device="cuda", dtype=DTYPE)
+    for bits, axis in itertools.product((2, 4), ("channel", "token")):
+        code_shape, stat_shape = packed_shapes(tuple(x.shape), bits, GROUP, axis)
+        out = Quantized(torch.empty(code_shape, dtype=torch.int32, device="cuda"), x.new_empty(stat_shape), x.new_empty(stat_shape))
+        ms = median_ms(lambda: quantize_into(x, out, bits, GROUP, axis))
+        nbytes = x.nbytes + sum(t.nbytes for t in out)
+        rows.append({"bits": bits, "axis": axis, "shape": list(x.shape), "ms": ms, "bytes": nbytes,
+                     "copy_pct": 100 * nbytes / (ms * 1e-3) / copy_bw})
+    return rows
+
+
+def fits(case: DecodeCase) -> bool:
+    """fp16 K/V plus the KIVI buffers within ~100 GB of the 141 GB card."""
+    _, kv_heads, dim = case.heads
+    return 2 * case.batch * kv_heads * case.tokens * dim * 2 <= 70e9
+
+
+def sweep(gen: torch.Generator) -> list[dict]:
+    """KIVI-2 time per launch variant (warps, pipeline stages, programs per SM) at a few sizes; the log gets
+    every row, the screen the best per size. Variants outside LAUNCH can fault (see decode_attention)."""
+    rows = []
+    for case in (DecodeCase("llama2-7b", 8, 32768), DecodeCase("gqa-32/8", 8, 32768), DecodeCase("llama2-7b", 8, 4096),
+                 DecodeCase("llama2-7b", 1, 32768)):
+        query, keys, values = decode_inputs(case, gen)
+        sdpa_ms, _ = time_sdpa(query, keys, values)
+        for warps, stages, per_sm in itertools.product((4, 8), (2, 3), (2, 4, 8)):
+            ms, _, splits = time_kivi(query, keys, values, 2, per_sm, launch=(warps, stages))
+            rows.append({"shape": case.shape, "batch": case.batch, "tokens": case.tokens, "sdpa_ms": sdpa_ms, "kivi2_ms": ms,
+                         "num_warps": warps, "num_stages": stages, "per_sm": per_sm, "splits": splits})
+        best = min((r for r in rows if r["shape"] == case.shape and r["batch"] == case.batch and r["tokens"] == case.tokens),
+                   key=lambda r: r["kivi2_ms"])
+        print(f"sweep best {case.shape} B={case.batch} S={case.tokens}: warps={best['num_warps']} stages={best['num_stages']} "
+              f"per_sm={best['per_sm']} splits={best['splits']}: kivi2 {best['kivi2_ms']:.4f} ms, sdpa {sdpa_ms:.4f} ms, "
+              f"x{sdpa_ms / best['kivi2_ms']:.2f}", flush=True)
+        del query, keys, values
+    return rows
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "uncommitted"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default="kernels_bench.json")
+    parser.add_argument("--sweep", action="store_true", help="time launch variants at a few sizes instead")
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "git": git_sha(),
+            "torch": torch.__version__, "triton": triton.__version__, "group_size": GROUP, "residual_length": RESIDUAL}
+    copy_bw = copy_bandwidth()
+    meta["copy_GBps"] = copy_bw / 1e9
+    if args.sweep:
+        with open(args.json, "w") as f:
+            json.dump({**meta, "sweep": sweep(gen)}, f, indent=1)
+        return
+    rows = []
+    for shape, batch, tokens in itertools.product(SHAPES, BATCHES, CONTEXTS):
+        case = DecodeCase(shape, batch, tokens)
+        if fits(case):
+            rows.append(time_decode(case, gen))
+            torch.cuda.empty_cache()
+    quant = time_quantize(copy_bw)
+    with open(args.json, "w") as f:
+        json.dump({**meta, "decode": rows, "quantize": quant}, f, indent=1)
+    print_tables(meta, rows, quant, copy_bw)
+
+
+def print_tables(meta: dict, rows: list[dict], quant: list[dict], copy_bw: float) -> None:
+    pct = lambda nbytes, ms: 100 * nbytes / (ms * 1e-3) / copy_bw  # noqa: E731
+    print(f"{meta['device']}, copy {copy_bw / 1e12:.2f} TB/s (read + write), torch {meta['torch']}, triton {meta['triton']}, "
+          f"G={GROUP} R={RESIDUAL}; bandwidth columns: % of copy")
+    print(f"{'shape':10} {'B':>3} {'S':>6} {'splits':>6} {'sdpa ms':>9} {'kivi2 ms':>9} {'kivi4 ms':>9} {'x kivi2':>8} {'x kivi4':>8} "
+          f"{'bw sdpa':>8} {'bw kivi2':>8} {'bw kivi4':>8}")
+    for r in rows:
+        print(f"{r['shape']:10} {r['batch']:3d} {r['tokens']:6d} {r['splits']:6d} {r['sdpa_ms']:9.4f} {r['kivi2_ms']:9.4f} "
+              f"{r['kivi4_ms']:9.4f} {r['sdpa_ms'] / r['kivi2_ms']:8.2f} {r['sdpa_ms'] / r['kivi4_ms']:8.2f} "
+              f"{pct(r['sdpa_bytes'], r['sdpa_ms']):7.1f}% {pct(r['kivi2_bytes'], r['kivi2_ms']):7.1f}% {pct(r['kivi4_bytes'], r['kivi4_ms']):7.1f}%")
+    for q in quant:
+        print(f"quantize+pack {q['bits']}-bit axis={q['axis']:7} {q['shape']}: {q['ms']:.4f} ms, {q['copy_pct']:.1f}% of copy")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""GPU correctness check at realistic sizes: ``python -m kernels.check [--json PATH]``.
+
+The CPU tests (tests/kernels, Triton interpreter) cover odd shapes on small inputs; this runs the compiled
+kernels on the GPU against the same oracles at serving sizes, on random K/V with outlier channels and on the
+real SmolLM2-135M K/V, and prints one table. Exits non-zero if any case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from kernels.data import REAL_KV, fill_streams, outlier_kv, reference_decode, relative_error
+from kernels.decode_attention import decode_attention
+from kernels.quantize import quantize
+from kivi.config import KiviConfig
+from kivi.quant import GROUP_DIM, unpack
+from kivi.quant import quantize as reference_quantize
+
+TOLERANCE = 1e-3
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_quantize(rows: list[dict], gen: torch.Generator) -> None:
+    for dtype_name, dtype in DTYPES.items():
+        keys, values = outlier_kv(8, 32, 4096, 128, dtype, "cuda", gen)
+        for bits in (2, 4, 8):
+            for axis, x in (("channel", keys), ("token", values)):
+                got, ref = quantize(x, bits, 32, axis), reference_quantize(x, bits, 32, GROUP_DIM[axis])
+                diff = (unpack(got.codes, bits, GROUP_DIM[axis]) - unpack(ref.codes, bits, GROUP_DIM[axis])).abs()
+                stats_equal = torch.equal(got.scale, ref.scale) and torch.equal(got.zero, ref.zero)
+                frac = (diff > 0).float().mean().item()
+                rows.append({
+                    "check": "quantize", "case": f"{axis} {bits}-bit {dtype_name} [8,32,4096,128]",
+                    "metric": "codes differing", "value": frac,
+                    "ok": stats_equal and diff.max().item() <= 1 and frac <= 1e-4,
+                })
+
+
+def decode_row(name: str, query, ks, vs, **kwargs) -> dict:
+    out = torch.full(query.shape, float("nan"), dtype=torch.float32, device="cuda")
+    decode_attention(query, ks, vs, query.shape[-1] ** -0.5, out=out, **kwargs)
+    err = relative_error(out, reference_decode(query, ks, vs, query.shape[-1] ** -0.5))
+    return {"check": "decode", "case": name, "metric": "rel. error", "value": err, "ok": err <= TOLERANCE}
+
+
+def check_decode_random(rows: list[dict], gen: torch.Generator) -> None:
+    configs = {
+        "kivi-2": KiviConfig.from_name("kivi-2"),
+        "kivi-4": KiviConfig.from_name("kivi-4"),
+        "kivi-2 4 sinks": KiviConfig(sink_tokens=4),
+    }
+    lengths = [8191, 5000, 1234, 131]  # ragged, multiples of neither G nor R
+    for (q_heads, kv_heads, dim), shape in (((32, 32, 128), "MHA 32x128"), ((32, 8, 128), "GQA 32/8x128"),
+                                            ((9, 3, 64), "GQA 9/3x64")):
+        for dtype_name, dtype in DTYPES.items():
+            keys, values = outlier_kv(len(lengths), kv_heads, max(lengths), dim, dtype, "cuda", gen)
+            query = torch.randn(len(lengths), q_heads, 1, dim, generator=gen, device="cuda").to(dtype)
+            streams = {name: fill_streams(keys, values, lengths, cfg) for name, cfg in configs.items()}
+            for cfg_name, (ks, vs) in streams.items():
+                rows.append(decode_row(f"{shape} {dtype_name} {cfg_name} L={lengths}", query, ks, vs))
+            rows.append(decode_row(f"{shape} {dtype_name} kivi-2 one split", query, *streams["kivi-2"], num_splits=1))
+
+
+def check_decode_real(rows: list[dict]) -> None:
+    data = torch.load(REAL_KV)
+    lengths = [256, 229, 197]
+    for dtype_name, dtype in DTYPES.items():
+        keys, values, queries = (data[k].to("cuda", dtype) for k in ("keys", "values", "queries"))
+        first = keys.shape[2] - queries.shape[2]
+        query = torch.stack([queries[b, :, n - 1 - first] for b, n in enumerate(lengths)]).unsqueeze(2)
+        for cfg_name in ("kivi-2", "kivi-4", "kivi-2-r32"):
+            ks, vs = fill_streams(keys, values, lengths, KiviConfig.from_name(cfg_name))
+            rows.append(decode_row(f"SmolLM2 layers {data['layers']} {dtype_name} {cfg_name}", query, ks, vs))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("kernels.check needs CUDA; the CPU tests are `pytest tests/kernels`", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[dict] = []
+    check_quantize(rows, gen)
+    check_decode_random(rows, gen)
+    check_decode_real(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    width = max(len(r["case"]) for r in rows)
+    print(f"{'check':8} {'case':{width}} {'metric':16} {'value':>9}  ok")
+    for r in rows:
+        print(f"{r['check']:8} {r['case']:{width}} {r['metric']:16} {r['value']:9.2e}  {'yes' if r['ok'] else 'NO'}")
+    failed = sum(not r["ok"] for r in rows)
+    print(f"{len(rows) - failed}/{len(rows)} passed on {torch.cuda.get_device_name()}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Fused quantize + pack: the Triton twin of ``kivi.quant.quantize`` (same codes, scales and zeros, bit for bit,
+barring vanishingly rare quotients: see ``_codes``).
+
+A program reads a block of tokens x all channels of one (batch, head), computes min/max per group, the
+model-dtype scale and zero, the codes from those stored values, and writes the packed int32 words and the
+statistics in the layout of ``kivi.quant``:
+
+- axis "channel" (keys): groups of G tokens per channel; codes [B, H, T // cpw, D], scale/zero [B, H, T // G, D]
+- axis "token" (values): groups of G channels per token; codes [B, H, T, D // cpw], scale/zero [B, H, T, D // G]
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton import round_to
+from kivi.quant import Quantized, codes_per_word
+
+# Adding 2^23 to a float32 in [0, 2^22) rounds it to an integer, ties to even (torch.round's rule), and leaves
+# that integer in the low mantissa bits: no float -> int conversion, and no libdevice call (which the CPU
+# interpreter lacks).
+ROUND_MAGIC = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _scale_zero(lo, hi, DTYPE: tl.constexpr, QMAX: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """Group min/max (fp32) -> (scale, zero) in the model dtype, as kivi.quant computes them.
+
+    kivi.quant's `range / QMAX` is an IEEE division on the CPU but a multiplication by the fp32 reciprocal on
+    CUDA (PyTorch divides by a scalar that way); RECIPROCAL follows the device.
+    """
+    if RECIPROCAL:
+        scale = (hi - lo) * (1.0 / QMAX)
+    else:
+        scale = tl.math.div_rn(hi - lo, QMAX * 1.0)
+    return round_to(scale, DTYPE), round_to(lo, DTYPE)
+
+
+@triton.jit
+def _codes(x, zero, scale, inv, QMAX: tl.constexpr):
+    """round((x - zero) / scale) clamped to [0, QMAX], as int32; ``scale`` fp32 with 0 replaced by 1, inv = 1 / scale.
+
+    An IEEE division per element is a multi-instruction sequence with a slow-path branch. Instead: multiply by
+    the reciprocal, then one FMA correction step, which gives the correctly rounded quotient (exact round-half
+    ties included, common with bf16 inputs) except in vanishingly rare cases. x - zero >= 0, as zero is the
+    group minimum, so only the top needs clamping.
+    """
+    num = x - zero.to(tl.float32)
+    q = num * inv
+    q = tl.minimum(tl.fma(tl.fma(-q, scale, num), inv, q), QMAX * 1.0)
+    return (q + ROUND_MAGIC).to(tl.int32, bitcast=True) & QMAX
+
+
+@triton.jit
+def _safe_scale(scale):
+    """(scale as fp32 with 0 -> 1, its reciprocal): a constant group has scale 0 and codes 0."""
+    safe = tl.where(scale == 0, 1.0, scale.to(tl.float32))
+    return safe, 1.0 / safe
+
+
+@triton.jit
+def _quantize_channel_kernel(
+    x_ptr,  # [B, H, T, D] any strides; T % GROUP == 0
+    codes_ptr,  # int32 [B, H, T // CPW, D]
+    scale_ptr,  # model dtype [B, H, T // GROUP, D]
+    zero_ptr,
+    heads,
+    tokens,
+    stride_xb,
+    stride_xh,
+    stride_xt,
+    stride_xd,
+    HEAD_DIM: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
+    GROUPS: tl.constexpr,  # token groups per program
+    BLOCK_D: tl.constexpr,
+):
+    """Keys: groups of GROUP tokens per channel. Each thread walks the tokens of its groups one row at a time,
+    so min/max and packing stay in registers (no cross-thread reduction)."""
+    CPW: tl.constexpr = 32 // BITS
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    bh = tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
+    d = tl.arange(0, BLOCK_D)
+    inside = (g * GROUP < tokens)[:, None]
+    if BLOCK_D != HEAD_DIM:
+        inside = inside & (d < HEAD_DIM)[None, :]
+    rows = x_ptr + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + (g * GROUP)[:, None] * stride_xt + d[None, :] * stride_xd
+    lo = tl.full([GROUPS, BLOCK_D], float("inf"), tl.float32)
+    hi = tl.full([GROUPS, BLOCK_D], float("-inf"), tl.float32)
+    for j in tl.static_range(GROUP):
+        v = tl.load(rows + j * stride_xt, mask=inside, other=0.0).to(tl.float32)
+        lo, hi = tl.minimum(lo, v), tl.maximum(hi, v)
+    scale, zero = _scale_zero(lo, hi, scale_ptr.dtype.element_ty, QMAX, RECIPROCAL)
+    safe, inv = _safe_scale(scale)
+    stat_off = (bh.to(tl.int64) * (tokens // GROUP) + g[:, None]) * HEAD_DIM + d[None, :]
+    tl.store(scale_ptr + stat_off, scale, mask=inside)
+    tl.store(zero_ptr + stat_off, zero, mask=inside)
+    for w in tl.static_range(GROUP // CPW):  # the group's words: CPW consecutive tokens each
+        word = tl.zeros([GROUPS, BLOCK_D], tl.int32)
+        for k in tl.static_range(CPW):
+            v = tl.load(rows + (w * CPW + k) * stride_xt, mask=inside, other=0.0).to(tl.float32)  # an L1 hit
+            word = word | (_codes(v, zero, safe, inv, QMAX) << (k * BITS))
+        word_off = (bh.to(tl.int64) * (tokens // CPW) + g[:, None] * (GROUP // CPW) + w) * HEAD_DIM + d[None, :]
+        tl.store(codes_ptr + word_off, word, mask=inside)
+
+
+@triton.jit
+def _quantize_token_kernel(
+    x_ptr,  # [B, H, T, D] any strides; D % GROUP == 0
+    codes_ptr,  # int32 [B, H, T, D // CPW]
+    scale_ptr,  # model dtype [B, H, T, D // GROUP]
+    zero_ptr,
+    heads,
+    tokens,
+    stride_xb,
+    stride_xh,
+    stride_xt,
+    stride_xd,
+    HEAD_DIM: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Values: groups of GROUP channels per token; a tile of BLOCK_T tokens x all channels per program."""
+    CPW: tl.constexpr = 32 // BITS
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    bh = tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    inside = (t < tokens)[:, None]
+    if BLOCK_D != HEAD_DIM:
+        inside = inside & (d < HEAD_DIM)[None, :]
+    base = b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
+    x = tl.load(x_ptr + base + t[:, None] * stride_xt + d[None, :] * stride_xd, mask=inside, other=0.0)
+    x = tl.reshape(x.to(tl.float32), (BLOCK_T, BLOCK_D // GROUP, GROUP))
+    scale, zero = _scale_zero(tl.min(x, axis=2, keep_dims=True), tl.max(x, axis=2, keep_dims=True),
+                              scale_ptr.dtype.element_ty, QMAX, RECIPROCAL)
+    safe, inv = _safe_scale(scale)
+    codes = tl.reshape(_codes(x, zero, safe, inv, QMAX), (BLOCK_T, BLOCK_D // CPW, CPW))
+    # The codes of a word hold disjoint bits, so their sum is their bitwise OR.
+    words = tl.sum(codes << (tl.arange(0, CPW) * BITS)[None, None, :], axis=2)  # [BLOCK_T, BLOCK_D // CPW]
+    w_col = tl.arange(0, BLOCK_D // CPW)
+    w_off = (bh.to(tl.int64) * tokens + t[:, None]) * (HEAD_DIM // CPW) + w_col[None, :]
+    tl.store(codes_ptr + w_off, words, mask=(t < tokens)[:, None] & (w_col < HEAD_DIM // CPW)[None, :])
+    s_col = tl.arange(0, BLOCK_D // GROUP)
+    s_off = (bh.to(tl.int64) * tokens + t[:, None]) * (HEAD_DIM // GROUP) + s_col[None, :]
+    s_mask = (t < tokens)[:, None] & (s_col < HEAD_DIM // GROUP)[None, :]
+    tl.store(scale_ptr + s_off, tl.reshape(scale, (BLOCK_T, BLOCK_D // GROUP)), mask=s_mask)
+    tl.store(zero_ptr + s_off, tl.reshape(zero, (BLOCK_T, BLOCK_D // GROUP)), mask=s_mask)
+
+
+def quantize_into(x: torch.Tensor, out: Quantized, bits: int, group_size: int, axis: str, block_t: int | None = None) -> Quantized:
+    """Quantize x [B, H, T, D] into preallocated contiguous ``out`` buffers (shapes of ``kivi.quant.quantize``).
+
+    ``block_t``: tokens per program (a power of two; for axis "channel" a multiple of ``group_size``).
+    """
+    batch, heads, tokens, dim = x.shape
+    cpw, per_channel = codes_per_word(bits), axis == "channel"
+    if bits not in (2, 4, 8) or axis not in ("channel", "token"):
+        raise ValueError(f"quantize: bits must be 2, 4 or 8 and axis 'channel' or 'token'; got {bits}, {axis!r}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"quantize: x must be float16, bfloat16 or float32, got {x.dtype}")
+    if group_size & (group_size - 1) or group_size % cpw:
+        raise ValueError(f"quantize: group_size={group_size} must be a power of two and a multiple of {cpw}")
+    if per_channel and tokens % group_size:
+        raise ValueError(f"quantize: axis 'channel' needs T % group_size == 0, got T={tokens}, group_size={group_size}")
+    if not per_channel and dim % group_size:
+        raise ValueError(f"quantize: axis 'token' needs D % group_size == 0, got D={dim}, group_size={group_size}")
+    code_shape, stat_shape = packed_shapes(tuple(x.shape), bits, group_size, axis)
+    for name, buf, shape, dtype in (
+        ("codes", out.codes, code_shape, torch.int32),
+        ("scale", out.scale, stat_shape, x.dtype),
+        ("zero", out.zero, stat_shape, x.dtype),
+    ):
+        if tuple(buf.shape) != shape or buf.dtype != dtype or not buf.is_contiguous() or buf.device != x.device:
+            raise ValueError(f"quantize: {name} must be a contiguous {dtype} tensor of shape {shape} on {x.device}")
+    block_d = triton.next_power_of_2(dim)
+    if tokens == 0:
+        return out
+    common = dict(HEAD_DIM=dim, BITS=bits, GROUP=group_size, RECIPROCAL=x.device.type == "cuda", BLOCK_D=block_d)
+    if per_channel:
+        groups = block_t // group_size if block_t else max(1, 1024 // block_d)  # ~1K channels x groups per program
+        if groups & (groups - 1):
+            raise ValueError(f"quantize: block_t={block_t} must be a power-of-two multiple of group_size={group_size}")
+        grid = (triton.cdiv(tokens // group_size, groups), batch * heads)
+        _quantize_channel_kernel[grid](x, out.codes, out.scale, out.zero, heads, tokens, *x.stride(), GROUPS=groups, **common)
+    else:
+        block_t = block_t or max(1, 8192 // block_d)  # ~8K elements per program
+        grid = (triton.cdiv(tokens, block_t), batch * heads)
+        _quantize_token_kernel[grid](x, out.codes, out.scale, out.zero, heads, tokens, *x.stride(), BLOCK_T=block_t, **common)
+    return out
+
+
+def packed_shapes(shape: tuple[int, int, int, int], bits: int, group_size: int, axis: str) -> tuple[tuple, tuple]:
+    """(codes shape, scale/zero shape) of x [B, H, T, D] in the layout of kivi.quant."""
+    batch, heads, tokens, dim = shape
+    cpw = codes_per_word(bits)
+    if axis == "channel":
+        return (batch, heads, tokens // cpw, dim), (batch, heads, tokens // group_size, dim)
+    return (batch, heads, tokens, dim // cpw), (batch, heads, tokens, dim // group_size)
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str) -> Quantized:
+    """``kivi.quant.quantize(x, bits, group_size, GROUP_DIM[axis])`` on the GPU: x [B, H, T, D] -> Quantized."""
+    code_shape, stat_shape = packed_shapes(tuple(x.shape), bits, group_size, axis)
+    out = Quantized(
+        torch.empty(code_shape, dtype=torch.int32, device=x.device),
+        torch.empty(stat_shape, dtype=x.dtype, device=x.device),
+        torch.empty(stat_shape, dtype=x.dtype, device=x.device),
+    )
+    return quantize_into(x, out, bits, group_size, axis)
