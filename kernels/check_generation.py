@@ -10,6 +10,7 @@ tokens first differ, the gap between the oracle's two best logits at that step s
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model, device="cuda", dtype=torch.float16)
     enable_kivi(model)
-    text_ids = tokenizer(open(args.text).read(), return_tensors="pt").input_ids.cuda()
+    text_ids = tokenizer(Path(args.text).read_text(), return_tensors="pt").input_ids.cuda()
     same = 0
     print(f"{'prompt':>7} {'equal':>6} {'first diff':>10} {'oracle top-2 gap':>17}")
     with torch.inference_mode():

@@ -91,7 +91,10 @@ def test_kv_bytes_at_4096_tokens_is_the_packed_arithmetic_and_under_022_of_fp16(
         model(torch.randint(1, 512, (1, 4096)), past_key_values=cache, use_cache=True)
     elems = 3 * 64  # kv heads × head_dim, per token
     keys_q, values_q = 4096, 4096 - 128  # keys: floor(T/R)*R quantized; values: all but the newest R
-    packed = lambda n: n * elems * 2 // 8 + 2 * (n // 32) * elems * 2  # codes + bf16 scales and zeros
+
+    def packed(n):  # 2-bit codes + bf16 scales and zeros
+        return n * elems * 2 // 8 + 2 * (n // 32) * elems * 2
+
     expected = packed(keys_q) + packed(values_q) + 128 * elems * 2
     assert cache.kv_bytes() == expected
     assert cache.fp16_kv_bytes() == 2 * 4096 * elems * 2
