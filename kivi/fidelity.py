@@ -91,12 +91,9 @@ def main(argv=None) -> None:
     if args.text_file is None and args.data_dir is None:
         parser.error("pass --data-dir (or set KIVI_DATA_DIR) to the shared data folder, or --text-file")
     from pipeline.models import load_model  # the CLI reuses the pipeline's model loader and haystack
-    from pipeline.workloads.niah import essay_paths
+    from pipeline.workloads.fidelity import haystack_text
 
-    if args.text_file:
-        text = args.text_file.read_text()
-    else:
-        text = "\n\n".join(p.read_text(encoding="utf-8") for p in essay_paths(Path(args.data_dir)))
+    text = args.text_file.read_text() if args.text_file else haystack_text(Path(args.data_dir))
 
     model, tokenizer = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens].to(args.device)

@@ -7,6 +7,7 @@ field, instead of after a model load on a GPU node.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -89,7 +90,7 @@ class RunConfig(_Section):
         """Cache name (the archive's `cache` column) -> KIVI config; fp16 first, mapped to None."""
         out: dict[str, KiviConfig | None] = {FP16: None}
         for preset in self.caches:
-            cfg = KiviConfig(**{**_preset_fields(preset), **self.cache_overrides.get(preset, {})})
+            cfg = dataclasses.replace(KiviConfig.from_name(preset), **self.cache_overrides.get(preset, {}))
             out[cfg.name] = cfg
         return out
 
@@ -98,13 +99,6 @@ class RunConfig(_Section):
 
     def gate_rules(self) -> GateConfig | None:
         return load_gate(self.gate) if self.gate else None
-
-
-def _preset_fields(preset: str) -> dict[str, Any]:
-    from kivi.config import PRESETS
-
-    KiviConfig.from_name(preset)  # raises with a suggestion for unknown names
-    return PRESETS[preset]
 
 
 def load_config(path: str | os.PathLike[str], **overrides: Any) -> RunConfig:
@@ -142,7 +136,7 @@ def _check(config: RunConfig, path: Path) -> None:
             fail(f"cache_overrides.{preset}", ValueError(f"not in caches {list(config.caches)}"))
     try:
         config.kivi_configs()
-    except KiviConfigError as err:
+    except (KiviConfigError, TypeError) as err:  # TypeError: an override names no KiviConfig field
         fail("caches", err)
     if not config.workloads:
         fail("workloads", ValueError("name at least one workload"))

@@ -76,8 +76,9 @@ def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary):
             done = archive.perf_caches(name)
             sweep_jobs += [(name, requests, cache) for cache in caches if cache not in done]
             continue
+        done = {cache: archive.done_shards(name, cache) for cache in caches}
         for shard in make_shards(name, requests, config.ray.shard_size):
-            todo = [c for c in caches if shard.index not in archive.done_shards(name, c)]
+            todo = [c for c in caches if shard.index not in done[c]]
             summary.reused += len(caches) - len(todo)
             if todo:
                 shard_jobs.append((shard, todo))

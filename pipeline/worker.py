@@ -46,6 +46,7 @@ class EvalWorker:
     def __init__(self, ctx: RunContext):
         self.ctx, cfg = ctx, ctx.config
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         dtype = default_dtype(self.device) if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
         model, tokenizer = load_model(cfg.model.spec, self.device, dtype)
         self.engine = Engine(model, tokenizer or load_tokenizer(cfg.model.tokenizer))
@@ -63,7 +64,7 @@ class EvalWorker:
             gpu_ids = []
         return dict(host=socket.gethostname(), pid=os.getpid(), device=str(self.device), ray_gpu_ids=gpu_ids,
                     cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                    gpu_name=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
+                    gpu_name=self.device_name if self.device.type == "cuda" else None)
 
     def run_shard(self, shard: Shard, caches: list[str]) -> dict[str, int]:
         """Generate, score and write one shard under each named cache; returns rows written per cache."""
@@ -94,7 +95,7 @@ class EvalWorker:
             except torch.OutOfMemoryError:
                 point = dict(batch_size=batch, oom=True)
             rows.append(dict(model=self.ctx.config.model.spec, cache=cache, workload=workload,
-                             device=self.placement()["gpu_name"] or "cpu", **point))
+                             device=self.device_name, **point))
             if point["oom"]:
                 break
             batch *= 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import Field, PositiveInt, model_validator
@@ -35,6 +36,11 @@ class FidelityOptions(WorkloadOptions):
         return self
 
 
+def haystack_text(data_dir: Path) -> str:
+    """The essays joined by blank lines: the text kivi.fidelity and this workload measure on."""
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in essay_paths(data_dir))
+
+
 @register_workload("fidelity")
 class Fidelity(Workload):
     version = 1
@@ -47,7 +53,7 @@ class Fidelity(Workload):
 
     def requests(self, tokenizer: PreTrainedTokenizerBase, max_context: int) -> list[Request]:
         self.skipped = Counter()
-        text = "\n\n".join(p.read_text(encoding="utf-8") for p in essay_paths(self.options.data_dir))
+        text = haystack_text(self.options.data_dir)
         ids = tokenizer(text, add_special_tokens=False).input_ids
         tokens = min(self.options.tokens, max_context)
         windows = [ids[start : start + tokens] for start in range(0, len(ids) - tokens + 1, tokens)]
