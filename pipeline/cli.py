@@ -4,6 +4,7 @@
     kivi-eval gate RUN_ID --rules configs/gates/nightly.yaml
     kivi-eval report RUN_ID
     kivi-eval query "SELECT * FROM kivi_deltas"
+    kivi-eval model-folder smollm2-135m           # a packaged model as a transformers folder (e.g. for lm-eval)
 """
 
 from __future__ import annotations
@@ -87,10 +88,13 @@ def main(argv=None) -> int:
     p = sub.add_parser("query", help="read-only SQL over the archive (views: results, perf, runs, verdicts, kivi_deltas …)")
     p.add_argument("sql")
     p.add_argument("--archive", default=DEFAULT_ARCHIVE)
+    p = sub.add_parser("model-folder", help="print a packaged model's transformers folder (converted on first use)")
+    p.add_argument("name")
     args = parser.parse_args(argv)
 
     from pipeline.config import ConfigError
     from pipeline.gate import GateConfigError
+    from pipeline.models import ModelSpecError
     from pipeline.store import ReadOnlyError
 
     try:
@@ -100,10 +104,14 @@ def main(argv=None) -> int:
             return gate(args.run_id, args.rules, args.archive, args.baseline)
         if args.command == "report":
             report(args.run_id, args.archive, args.out)
+        elif args.command == "model-folder":
+            from pipeline.models import converted_folder
+
+            print(converted_folder(args.name))
         else:
             query(args.sql, args.archive)
         return 0
-    except (ConfigError, GateConfigError, ReadOnlyError) as err:
+    except (ConfigError, GateConfigError, ModelSpecError, ReadOnlyError) as err:
         print(f"kivi-eval: error: {err}", file=sys.stderr)
         return 2
 

@@ -149,7 +149,7 @@ def _explained_load_errors(spec: str):
 def _resolve(spec: str) -> tuple[str, str | None]:
     """(folder or Hub id, gguf file name or None)."""
     if spec in PACKAGED_MODELS:
-        return str(_converted_folder(spec)), None
+        return str(converted_folder(spec)), None
     path = Path(spec)
     if spec.endswith(".gguf"):
         if not path.is_file():
@@ -158,8 +158,13 @@ def _resolve(spec: str) -> tuple[str, str | None]:
     return spec, None
 
 
-def _converted_folder(name: str) -> Path:
-    """The packaged GGUF converted once to a bf16 transformers folder (GGUF loading dequantizes slowly)."""
+def converted_folder(name: str) -> Path:
+    """The packaged GGUF converted once to a bf16 transformers folder (GGUF loading dequantizes slowly).
+
+    Also for tools that load a folder, e.g. lm-eval's ``pretrained=`` (``kivi-eval model-folder NAME``).
+    """
+    if name not in PACKAGED_MODELS:
+        raise ModelSpecError(f"model: {name!r} is not a packaged model; packaged: {sorted(PACKAGED_MODELS)}")
     target = model_cache_dir() / name
     if (target / "config.json").is_file():
         return target

@@ -8,6 +8,7 @@ import pytest
 from pipeline.workloads import Request, get_workload
 from pipeline.workloads.gsm8k import exact_match, extract_answer
 
+OFFLINE_TASK = Path(__file__).resolve().parents[2] / "configs" / "lm_eval" / "gsm8k_local.yaml"
 REFERENCE_1000 = "He pays 10 * 100 = $<<10*100=1000>>1000.\n#### 1000"
 GENERATIONS = ["Steps.\n#### 1,000.", "It costs $1,000.", "#### 1000\n\nQuestion: #### 5", "#### 1000 #### 5", "", "1000 or 7"]
 
@@ -79,6 +80,17 @@ def test_prompts_that_do_not_fit_the_context_are_skipped_and_counted(data_dir, t
     workload = get_workload("gsm8k", data_dir=data_dir, n=5)
     assert workload.requests(tokenizer, max_context=300) == []
     assert workload.skipped == {"test: prompt longer than max_context - max_new_tokens": 5}
+
+
+def test_the_offline_lm_eval_task_is_lm_evals_gsm8k_but_for_its_name_and_data():
+    theirs = lm_eval_gsm8k_config()
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    ours = load_yaml(OFFLINE_TASK, resolve_func=False)  # leaves `!function` unresolved
+    assert ours.pop("task") == "gsm8k_local" and ours.pop("custom_dataset").endswith("local_data.gsm8k")
+    for field in ("task", "tag", "dataset_path", "dataset_name"):
+        del theirs[field]
+    assert ours == theirs
 
 
 def test_prompts_equal_lm_evals_gsm8k_prompts(data_dir, tokenizer, tmp_path):
