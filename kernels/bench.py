@@ -104,16 +104,17 @@ def time_sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> 
     return median_ms(fn), nbytes
 
 
-def time_kivi(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bits: int, per_sm: int = 4, **launch) -> tuple[float, int, int]:
-    """(median ms, bytes, splits) of the fused kernel; ``launch`` goes to decode_attention_tensors."""
+def time_kivi(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bits: int, per_sm: int = 32,
+              num_stages: int = 1) -> tuple[float, int, int]:
+    """(median ms, bytes, splits) of the fused kernel."""
     batch, kv_heads, tokens, dim = keys.shape
     args = kivi_args(keys, values, bits)
-    splits = default_num_splits(batch, kv_heads, tokens, query.device, per_sm)
+    splits = default_num_splits(batch, kv_heads, tokens, bits, query.device, per_sm)
     nbytes = kivi_bytes(args, query)
 
     def make(copy: bool):
         inputs = {k: (v.clone() if copy and isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-        return lambda: decode_attention_tensors(query, **inputs, scaling=dim**-0.5, num_splits=splits, **launch)
+        return lambda: decode_attention_tensors(query, **inputs, scaling=dim**-0.5, num_splits=splits, num_stages=num_stages)
 
     return median_ms(rotated(make, nbytes)), nbytes, splits
 
@@ -134,7 +135,7 @@ def time_decode(case: DecodeCase, gen: torch.Generator) -> dict:
     row = {"shape": case.shape, "batch": case.batch, "tokens": case.tokens}
     row["sdpa_ms"], row["sdpa_bytes"] = time_sdpa(query, keys, values)
     for bits in (2, 4):
-        row[f"kivi{bits}_ms"], row[f"kivi{bits}_bytes"], row["splits"] = time_kivi(query, keys, values, bits)
+        row[f"kivi{bits}_ms"], row[f"kivi{bits}_bytes"], row[f"kivi{bits}_splits"] = time_kivi(query, keys, values, bits)
     return row
 
 
@@ -158,20 +159,21 @@ def fits(case: DecodeCase) -> bool:
 
 
 def sweep(gen: torch.Generator) -> list[dict]:
-    """KIVI-2 time per launch variant (warps, pipeline stages, programs per SM) at a few sizes; the log gets
-    every row, the screen the best per size. Variants outside LAUNCH can fault (see decode_attention)."""
+    """KIVI-2 time per launch variant (pipeline stages, one-warp programs per SM) at a few sizes; the log gets
+    every row, the screen the best per size."""
     rows = []
     for case in (DecodeCase("llama2-7b", 8, 32768), DecodeCase("gqa-32/8", 8, 32768), DecodeCase("llama2-7b", 8, 4096),
                  DecodeCase("llama2-7b", 1, 32768)):
         query, keys, values = decode_inputs(case, gen)
         sdpa_ms, _ = time_sdpa(query, keys, values)
-        for warps, stages, per_sm in itertools.product((4, 8), (2, 3), (2, 4, 8)):
-            ms, _, splits = time_kivi(query, keys, values, 2, per_sm, launch=(warps, stages))
+        for stages, per_sm in itertools.product((1, 2, 3), (4, 8, 16, 32)):
+            ms, _, splits = time_kivi(query, keys, values, 2, per_sm, stages)
             rows.append({"shape": case.shape, "batch": case.batch, "tokens": case.tokens, "sdpa_ms": sdpa_ms, "kivi2_ms": ms,
-                         "num_warps": warps, "num_stages": stages, "per_sm": per_sm, "splits": splits})
+                         "num_stages": stages, "per_sm": per_sm, "splits": splits})
+            print(f"  stages={stages} per_sm={per_sm} splits={splits}: {ms:.4f} ms", flush=True)
         best = min((r for r in rows if r["shape"] == case.shape and r["batch"] == case.batch and r["tokens"] == case.tokens),
                    key=lambda r: r["kivi2_ms"])
-        print(f"sweep best {case.shape} B={case.batch} S={case.tokens}: warps={best['num_warps']} stages={best['num_stages']} "
+        print(f"sweep best {case.shape} B={case.batch} S={case.tokens}: stages={best['num_stages']} "
               f"per_sm={best['per_sm']} splits={best['splits']}: kivi2 {best['kivi2_ms']:.4f} ms, sdpa {sdpa_ms:.4f} ms, "
               f"x{sdpa_ms / best['kivi2_ms']:.2f}", flush=True)
         del query, keys, values
@@ -189,6 +191,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="kernels_bench.json")
     parser.add_argument("--sweep", action="store_true", help="time launch variants at a few sizes instead")
+    parser.add_argument("--only", metavar="SHAPE:B:S", help="time one decode case, e.g. llama2-7b:8:32768")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "git": git_sha(),
@@ -200,7 +203,11 @@ def main() -> None:
             json.dump({**meta, "sweep": sweep(gen)}, f, indent=1)
         return
     rows = []
-    for shape, batch, tokens in itertools.product(SHAPES, BATCHES, CONTEXTS):
+    cases = itertools.product(SHAPES, BATCHES, CONTEXTS)
+    if args.only:
+        shape, batch, tokens = args.only.split(":")
+        cases = [(shape, int(batch), int(tokens))]
+    for shape, batch, tokens in cases:
         case = DecodeCase(shape, batch, tokens)
         if fits(case):
             rows.append(time_decode(case, gen))
@@ -218,7 +225,7 @@ def print_tables(meta: dict, rows: list[dict], quant: list[dict], copy_bw: float
     print(f"{'shape':10} {'B':>3} {'S':>6} {'splits':>6} {'sdpa ms':>9} {'kivi2 ms':>9} {'kivi4 ms':>9} {'x kivi2':>8} {'x kivi4':>8} "
           f"{'bw sdpa':>8} {'bw kivi2':>8} {'bw kivi4':>8}")
     for r in rows:
-        print(f"{r['shape']:10} {r['batch']:3d} {r['tokens']:6d} {r['splits']:6d} {r['sdpa_ms']:9.4f} {r['kivi2_ms']:9.4f} "
+        print(f"{r['shape']:10} {r['batch']:3d} {r['tokens']:6d} {r['kivi2_splits']:6d} {r['sdpa_ms']:9.4f} {r['kivi2_ms']:9.4f} "
               f"{r['kivi4_ms']:9.4f} {r['sdpa_ms'] / r['kivi2_ms']:8.2f} {r['sdpa_ms'] / r['kivi4_ms']:8.2f} "
               f"{pct(r['sdpa_bytes'], r['sdpa_ms']):7.1f}% {pct(r['kivi2_bytes'], r['kivi2_ms']):7.1f}% {pct(r['kivi4_bytes'], r['kivi4_ms']):7.1f}%")
     for q in quant:

@@ -2,23 +2,26 @@
 
 Per sequence b and KV head, positions are: n_sink sinks, then keys [n_qk quantized | residual] and values
 [n_qv quantized | residual] (keys flush in blocks of R, values keep a window of R, so the two split at
-different positions). The kernel walks the positions after the sinks in tiles of BLOCK_N = 64 tokens: a tile
-whose keys and values are all quantized takes the fast path (no masks); the few tiles around the splits and
-in the residual mix sources per token. Split-KV (flash-decoding): programs (b, kv head, split) share the tiles
+different positions). Split-KV (flash-decoding): one-warp programs (b, kv head, split) share the fast tiles
 of a sequence; a second kernel merges their partial results.
 
-Dequantization is folded into the tensor-core matmuls, so per cached element only the code is unpacked:
-- keys (per-channel groups): q . k = (q * s_g) . c + q . z_g, so the key codes [tokens, D] meet the queries
-  scaled per group, one block of columns per group in the tile; the zero term is a small fp32 reduction;
-- values (per-token groups of G channels): the accumulator has one column per (query head, value channel
-  group); column (m, g) is fed p_m * s_n,g, and only its group-g channels are kept at the end (block-diagonal
-  readout). The VG = D / G columns of a head also fill the 16 columns a matmul needs, instead of padding.
-The codes enter the matmuls as their left operand, transposed (MN-major); Triton 3.6 stages them through
-shared memory (a register operand needs a loop-invariant right operand, and q * s, p * s change per tile),
-which with the unpack dominates the instruction count (BENCHMARKS.md). Operands are fp16: codes are
-exact; q * s, the queries and the probabilities of full-precision tokens are split into two fp16
-parts (near-fp32; one part alone gives ~1e-3 relative error on keys with outlier channels); p * s is rounded
-once (~1e-4). Full-precision keys and values must lie in the fp16 range (|x| < 65504), as real models' do.
+Fast tiles (every key and value quantized) hold ROWS key words per channel, i.e. ROWS * cpw tokens, and are
+computed one *code slice* at a time: code j of each word is unpacked where it lies, in the registers the
+tensor-core operand needs (a pure elementwise chain from the load, which Triton hoists into the operand
+layout: no shared-memory round trip, no reshape of codes). Key slice j holds tokens row * cpw + j; value
+slice jv holds channels word * cpw + jv. Scales fold into the other operand:
+- keys (per-channel groups): q . k = (q * s_g) . c + q . z_g; the left operand has one block of rows per
+  key group of the tile (a hi and a lo fp16 part of q * s_g, near-fp32), each token keeps its group's
+  block; the zero term is a small fp32 reduction;
+- values (per-token groups of G channels): the left operand, p * s in the tile's token order, has rows
+  (query head, value group); each channel keeps its group's row when the accumulators are folded at the end.
+A tile's value words are loaded once, before its keys are computed, so that they are in flight meanwhile.
+One PTX sequence unpacks two codes into an exact fp16 pair (PRMT, SHR, LOP3 into the mantissa of 1024,
+HSUB2). Triton's interpreter cannot run PTX, so on the CPU the same codes come from shifts and masks (``ASM``
+off); `python -m kernels.check` covers the PTX path on the GPU.
+
+The tail (tokens after the last fast tile: residuals, partly quantized tiles) and the sinks are few; the
+last split walks them in blocks of TAIL_BLOCK tokens, dequantized in fp32, with fp32 matmuls.
 """
 
 from __future__ import annotations
@@ -29,148 +32,188 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import round_to, unpack_codes
+from kernels._triton import round_to
 from kivi.quant import codes_per_word
 
 LOG2E = math.log2(math.e)
-MIN_DOT = 16  # tl.dot needs every dimension >= 16
-# (num_warps, num_stages) per head_dim, the launches checked on an H200 with Triton 3.6. Others are not
-# safe there: head_dim 64 with 4 warps returns wrong values, and 1 or 3 stages (or 8 warps, 1 stage at
-# head_dim 128) fault, while the interpreter agrees with the oracle in every case (see BENCHMARKS.md).
-LAUNCH = {64: (8, 2), 128: (4, 2)}
-BLOCK_N = tl.constexpr(64)  # tokens per tile: the M of one Hopper wgmma
+HEAD_DIMS = (64, 128)  # head sizes checked on the GPU
+TAIL_BLOCK = tl.constexpr(16)  # tokens per tail block (registers: fp32 keys and values of the block)
+
+
+def _unpack_asm(bits: int, j: int) -> str:
+    """PTX: the fp16 pair (code j of $1, code j of $2), exact. Codes sit in bits [bits*j, bits*(j+1)) of a word."""
+    low = bits * j < 16
+    mask = ((1 << bits) - 1) * 0x10001
+    shift = f"shr.b32 t, t, {(bits * j) % 16}; " if (bits * j) % 16 else ""
+    return ("{ .reg .b32 t, c; mov.b32 c, 0x64006400; "
+            f"prmt.b32 t, $1, $2, {0x5410 if low else 0x7632}; {shift}"
+            f"lop3.b32 t, t, {mask}, 0x64006400, 0xea; sub.f16x2 $0, t, c; }}")
+
+
+UNPACK_2 = tl.constexpr(tuple(_unpack_asm(2, j) for j in range(16)))
+UNPACK_4 = tl.constexpr(tuple(_unpack_asm(4, j) for j in range(8)))
+UNPACK_8 = tl.constexpr(tuple(_unpack_asm(8, j) for j in range(4)))
+
+
+@triton.jit
+def _code_slice(words, J: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Code J of every int32 word, as exact fp16."""
+    if ASM:
+        if BITS == 2:
+            asm: tl.constexpr = UNPACK_2[J]
+        elif BITS == 4:
+            asm: tl.constexpr = UNPACK_4[J]
+        else:
+            asm: tl.constexpr = UNPACK_8[J]
+        return tl.inline_asm_elementwise(asm, "=r,r,r", [words], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        return ((words >> (BITS * J)) & ((1 << BITS) - 1)).to(tl.float16)
 
 
 @triton.jit
 def _split16(x):
-    """fp32 [D, C] -> fp16 [D, 2 * C]: a hi block of columns and a lo block, hi + lo = x to ~2^-22.
-
-    Both parts go in one matmul operand; ``_sum_halves`` of the product adds them.
-    """
+    """fp32 [A, B, D] -> fp16 [A * B * 2, D]: rows (a, b, hi) and (a, b, lo), hi + lo = x to ~2^-22."""
     hi = x.to(tl.float16)
     lo = (x - hi.to(tl.float32)).to(tl.float16)
-    both = tl.where((tl.arange(0, 2) == 0)[None, :, None], hi[:, None, :], lo[:, None, :])  # [D, 2, C]
-    return tl.reshape(both, (x.shape[0], 2 * x.shape[1]))
+    both = tl.permute(tl.join(hi, lo), (0, 1, 3, 2))  # [A, B, 2, D]
+    return tl.reshape(both, (x.shape[0] * x.shape[1] * 2, x.shape[2]))
 
 
 @triton.jit
-def _sum_halves(x):
-    """[N, 2 * C] -> [N, C]: add the hi and lo blocks of a product with a ``_split16`` operand."""
-    return tl.sum(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), axis=1)
+def _fast_tile(q, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+               HEAD_DIM: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
+               ROWS: tl.constexpr, ASM: tl.constexpr):
+    """One fast tile: keys and values of tokens t * TILE .. (t + 1) * TILE (TILE = ROWS * cpw_k), all quantized.
 
-
-@triton.jit
-def _per_value_group(x, VG: tl.constexpr):
-    """[N, HGP] -> [N, HGP * VG]: column (m, g) repeats column m (the value-side column layout)."""
-    return tl.reshape(tl.broadcast_to(x[:, :, None], (x.shape[0], x.shape[1], VG)), (x.shape[0], x.shape[1] * VG))
-
-
-@triton.jit
-def _quant_key_logits(q_k, mask_k, kc_ptr, ks_ptr, kz_ptr, i0, limit,
-                      HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, MASKED: tl.constexpr):
-    """Logits [BLOCK_N, HGP] of quantized keys i0 .. i0 + BLOCK_N (those < ``limit`` when MASKED), for the
-    scaled queries q_k [D, HGP] (fp32, one column per query head)."""
-    CPW: tl.constexpr = 32 // BITS
-    TG: tl.constexpr = (BLOCK_N + GROUP - 1) // GROUP  # key groups in a tile
-    HGP: tl.constexpr = q_k.shape[1]
-    d = tl.arange(0, HEAD_DIM)
-    word_rows = i0 // CPW + tl.arange(0, BLOCK_N // CPW)
-    groups = i0 // GROUP + tl.arange(0, TG)
-    words_ptr = kc_ptr + word_rows[None, :] * HEAD_DIM + d[:, None]  # [D, BLOCK_N // CPW]
-    stat_off = groups[None, :] * HEAD_DIM + d[:, None]  # [D, TG]
-    if MASKED:
-        words = tl.load(words_ptr, mask=(word_rows * CPW < limit)[None, :], other=0)
-        scale = tl.load(ks_ptr + stat_off, mask=(groups * GROUP < limit)[None, :], other=0.0)
-        zero = tl.load(kz_ptr + stat_off, mask=(groups * GROUP < limit)[None, :], other=0.0)
-    else:
-        words = tl.load(words_ptr)
-        scale = tl.load(ks_ptr + stat_off)
-        zero = tl.load(kz_ptr + stat_off)
-    codes_t = unpack_codes(words, mask_k, BITS).to(tl.float16)  # [D, BLOCK_N], token i0 + n
-    qs = tl.reshape(q_k[:, None, :] * scale.to(tl.float32)[:, :, None], (HEAD_DIM, TG * HGP))  # column (t, m)
-    logits = _sum_halves(tl.dot(tl.trans(codes_t), _split16(qs)))  # [BLOCK_N, TG * HGP]
-    qz = tl.sum(zero.to(tl.float32)[:, :, None] * q_k[:, None, :], axis=0)  # [TG, HGP]
-    logits = tl.reshape(logits, (BLOCK_N, TG, HGP)) + qz[None, :, :]
-    own = (tl.arange(0, BLOCK_N) // GROUP)[:, None, None] == tl.arange(0, TG)[None, :, None]
-    return tl.sum(tl.where(own, logits, 0.0), axis=1)  # each token keeps its group's block
-
-
-@triton.jit
-def _full_key_logits(q_full, k_ptr, rows, valid, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr):
-    """Logits [BLOCK_N, HGP] of full-precision keys at ``rows`` of a [*, D] buffer (0 where not ``valid``).
-
-    q_full: ``_split16`` of the scaled queries in the quantized path's columns (t, m), zero for t > 0, so
-    that the matmul keeps a legal width of >= 16 columns.
+    q [HP, D] fp32 (scaled, log2 units); accs: per value code slice jv, [HP * VG, VW] fp32 (rows (head, value
+    group), column w = channel w * cpw_v + jv); accz [HP, VG]: the value zero terms.
     """
-    TG: tl.constexpr = (BLOCK_N + GROUP - 1) // GROUP
-    d = tl.arange(0, HEAD_DIM)
-    k = tl.load(k_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
-    logits = _sum_halves(tl.dot(k.to(tl.float16), q_full))  # [BLOCK_N, TG * HGP]
-    return tl.sum(tl.reshape(logits, (BLOCK_N, TG, logits.shape[1] // TG)), axis=1)
-
-
-@triton.jit
-def _quant_value_update(acc_t, accz, p_v, mask_v, vc_ptr, vs_ptr, vz_ptr, rows, valid,
-                        HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, MASKED: tl.constexpr):
-    """acc_t [D, ROWS] += codes^T @ (p_v * s), accz [BLOCK_N, ROWS] += p_v * z, for quantized values at ``rows``.
-
-    p_v [BLOCK_N, ROWS = HGP * VG]: probabilities in the value-side columns (m, g), 0 where not ``valid`` (used
-    only when MASKED). accz is summed over tokens at the end.
-    """
-    CPW: tl.constexpr = 32 // BITS
+    CPW_K: tl.constexpr = 32 // BITS_K
+    CPW_V: tl.constexpr = 32 // BITS_V
+    TILE: tl.constexpr = ROWS * CPW_K
+    TG: tl.constexpr = TILE // GROUP  # key groups in the tile
     VG: tl.constexpr = HEAD_DIM // GROUP
-    words_ptr = vc_ptr + rows[:, None] * (HEAD_DIM // CPW) + tl.arange(0, HEAD_DIM // CPW)[None, :]
-    stat_off = rows[:, None] * VG + (tl.arange(0, p_v.shape[1]) % VG)[None, :]  # column (m, g) reads group g
-    if MASKED:
-        words = tl.load(words_ptr, mask=valid[:, None], other=0)
-        scale = tl.load(vs_ptr + stat_off, mask=valid[:, None], other=0.0)
-        zero = tl.load(vz_ptr + stat_off, mask=valid[:, None], other=0.0)
-    else:
-        words = tl.load(words_ptr)  # [BLOCK_N, D // CPW]
-        scale = tl.load(vs_ptr + stat_off)
-        zero = tl.load(vz_ptr + stat_off)
-    codes = unpack_codes(words, mask_v, BITS).to(tl.float16)  # [BLOCK_N, D]
-    acc_t = tl.dot(tl.trans(codes), (p_v * scale.to(tl.float32)).to(tl.float16), acc_t)
-    return acc_t, accz + p_v * zero.to(tl.float32)
-
-
-@triton.jit
-def _full_value_update(acc_t, p_v, v_ptr, rows, valid, HEAD_DIM: tl.constexpr):
-    """acc_t [D, ROWS] += v^T @ p_v for full-precision values at ``rows`` (p_v must be 0 where not ``valid``)."""
+    VW: tl.constexpr = HEAD_DIM // CPW_V
+    HP: tl.constexpr = q.shape[0]
     d = tl.arange(0, HEAD_DIM)
-    v = tl.load(v_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
-    return acc_t + _sum_halves(tl.dot(tl.trans(v.to(tl.float16)), _split16(p_v)))
+    r = tl.arange(0, ROWS)
+    rows = t * ROWS + r
+    groups = t * TG + tl.arange(0, TG)
+    tok = t * TILE + tl.arange(0, TILE)
+
+    # Values first, in one load per tile: in flight while the keys are computed.
+    vwords = tl.load(vc_ptr + tok[:, None] * VW + tl.arange(0, VW)[None, :])  # [TILE, VW]
+    gv = tl.arange(0, VG)
+    vscale = tl.load(vs_ptr + tok[None, :] * VG + gv[:, None]).to(tl.float32)  # [VG, TILE]
+    vzero = tl.load(vz_ptr + tok[None, :] * VG + gv[:, None]).to(tl.float32)
+
+    # Keys: words [D, ROWS], left operand q * s per (group, head, hi/lo), zero terms per (group, head).
+    words = tl.load(kc_ptr + rows[None, :] * HEAD_DIM + d[:, None])
+    scale = tl.load(ks_ptr + groups[:, None] * HEAD_DIM + d[None, :]).to(tl.float32)  # [TG, D]
+    zero = tl.load(kz_ptr + groups[:, None] * HEAD_DIM + d[None, :]).to(tl.float32)
+    qs = _split16(scale[:, None, :] * q[None, :, :])  # [TG * HP * 2, D]
+    own = tl.arange(0, TG)[:, None] == (r // (GROUP // CPW_K))[None, :]  # [TG, ROWS]: a word row's group
+    qz = tl.sum(zero[:, None, :] * q[None, :, :], axis=2)  # [TG, HP]
+    qz = tl.sum(tl.where(own[:, None, :], qz[:, :, None], 0.0), axis=0)  # [HP, ROWS]
+    slot = tl.arange(0, CPW_K)
+    logits = tl.zeros([HP, ROWS, CPW_K], tl.float32)  # token row * cpw + j at [:, row, j]
+    for j in tl.static_range(CPW_K):
+        s = tl.reshape(tl.dot(qs, _code_slice(words, j, BITS_K, ASM)), (TG, HP, 2, ROWS))
+        s = tl.sum(tl.sum(tl.where(own[:, None, None, :], s, 0.0), axis=2), axis=0) + qz  # [HP, ROWS]
+        logits += tl.where((slot == j)[None, None, :], s[:, :, None], 0.0)
+    logits = tl.reshape(logits, (HP, TILE))
+
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(logits - m_new[:, None])  # [HP, TILE]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    accz = accz * alpha[:, None] + tl.sum(p[:, None, :] * vzero[None, :, :], axis=2)
+    ps = tl.reshape(p[:, None, :] * vscale[None, :, :], (HP * VG, TILE)).to(tl.float16)
+    alpha_rows = tl.reshape(tl.broadcast_to(alpha[:, None], (HP, VG)), (HP * VG,))
+    updated = ()
+    for jv in tl.static_range(CPW_V):
+        updated = updated + (tl.dot(ps, _code_slice(vwords, jv, BITS_V, ASM), accs[jv] * alpha_rows[:, None]),)
+    return updated, accz, m_new, l_i
 
 
 @triton.jit
-def _softmax_step(logits, m_i):
-    """Online softmax (base 2) over a tile's tokens (axis 0): probabilities, new max, rescale factor."""
-    m_new = tl.maximum(m_i, tl.max(logits, axis=0))
-    return tl.exp2(logits - m_new[None, :]), m_new, tl.exp2(m_i - m_new)
+def _fold(accs, accz, HEAD_DIM: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr):
+    """Fast-tile accumulators -> [HP, D]: channel c = w * cpw + jv keeps row (head, c // G) of slice jv."""
+    CPW_V: tl.constexpr = 32 // BITS_V
+    VG: tl.constexpr = HEAD_DIM // GROUP
+    VW: tl.constexpr = HEAD_DIM // CPW_V
+    HP: tl.constexpr = accz.shape[0]
+    w = tl.arange(0, VW)
+    slot = tl.arange(0, CPW_V)
+    acc = tl.zeros([HP, VW, CPW_V], tl.float32)
+    for jv in tl.static_range(CPW_V):
+        own = tl.arange(0, VG)[:, None] == ((w * CPW_V + jv) // GROUP)[None, :]  # [VG, VW]
+        a = tl.sum(tl.where(own[None, :, :], tl.reshape(accs[jv], (HP, VG, VW)), 0.0), axis=1)  # [HP, VW]
+        acc += tl.where((slot == jv)[None, None, :], a[:, :, None], 0.0)
+    zeros = tl.broadcast_to(accz[:, :, None], (HP, VG, GROUP))
+    return tl.reshape(acc, (HP, HEAD_DIM)) + tl.reshape(zeros, (HP, HEAD_DIM))
+
+
+@triton.jit
+def _tail_kv(i, n_qk, n_qv, n_tok, kc_ptr, ks_ptr, kz_ptr, kr_ptr, vc_ptr, vs_ptr, vz_ptr, vr_ptr,
+             HEAD_DIM: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr):
+    """Keys and values [TAIL_BLOCK, D] fp32 of positions ``i`` (after the sinks), each from its codes or its
+    residual; rows at or past n_tok are 0."""
+    CPW_K: tl.constexpr = 32 // BITS_K
+    CPW_V: tl.constexpr = 32 // BITS_V
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    valid = (i < n_tok)[:, None]
+    qk = (i < n_qk)[:, None]
+    words = tl.load(kc_ptr + (i // CPW_K)[:, None] * HEAD_DIM + d, mask=qk, other=0)
+    codes = ((words >> (BITS_K * (i % CPW_K))[:, None]) & ((1 << BITS_K) - 1)).to(tl.float32)
+    stat = (i // GROUP)[:, None] * HEAD_DIM + d
+    k = codes * tl.load(ks_ptr + stat, mask=qk, other=0.0).to(tl.float32) + tl.load(kz_ptr + stat, mask=qk, other=0.0).to(tl.float32)
+    resid = tl.load(kr_ptr + (i - n_qk)[:, None] * HEAD_DIM + d, mask=valid & ~qk, other=0.0).to(tl.float32)
+    k = tl.where(qk, k, resid)
+    qv = (i < n_qv)[:, None]
+    words = tl.load(vc_ptr + i[:, None] * (HEAD_DIM // CPW_V) + d // CPW_V, mask=qv, other=0)
+    codes = ((words >> (BITS_V * (d % CPW_V))) & ((1 << BITS_V) - 1)).to(tl.float32)
+    stat = i[:, None] * (HEAD_DIM // GROUP) + d // GROUP
+    v = codes * tl.load(vs_ptr + stat, mask=qv, other=0.0).to(tl.float32) + tl.load(vz_ptr + stat, mask=qv, other=0.0).to(tl.float32)
+    resid = tl.load(vr_ptr + (i - n_qv)[:, None] * HEAD_DIM + d, mask=valid & ~qv, other=0.0).to(tl.float32)
+    return k, tl.where(qv, v, resid)
+
+
+@triton.jit
+def _full_update(q, k, v, valid, acc, m_i, l_i):
+    """Online softmax (base 2) step over fp32 keys/values [N, D] (``valid`` rows only; at least one)."""
+    s = tl.where(valid[None, :], tl.dot(q, tl.trans(k), input_precision="ieee"), float("-inf"))  # [HP, N]
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr,  # [B, Hq, D] (query with q_len squeezed), strides stride_qb, stride_qh, 1
-    out_ptr,  # NUM_SPLITS == 1: final [B, Hq, D] (strides stride_ob, stride_oh, 1); else fp32 partials [B, Hq, NUM_SPLITS, D]
-    lse_ptr,  # fp32 [B, Hq, NUM_SPLITS] log2-sum-exp2 of each split (unused when NUM_SPLITS == 1)
+    out_ptr,  # SINGLE: final [B, Hq, D] (strides stride_ob, stride_oh, 1); else fp32 partials [B, Hq, num_splits, D]
+    lse_ptr,  # fp32 [B, Hq, num_splits] log2-sum-exp2 of each split (unused when SINGLE)
     k_sink_ptr, v_sink_ptr,  # [B, Hkv, sink_rows, D]
     kc_ptr, ks_ptr, kz_ptr,  # keys: codes [B, Hkv, kc_rows, D] int32, scale/zero [B, Hkv, ks_rows, D]
     kr_ptr,  # key residual [B, Hkv, kr_rows, D]
     vc_ptr, vs_ptr, vz_ptr,  # values: codes [B, Hkv, vc_rows, D // cpw] int32, scale/zero [B, Hkv, vc_rows, D // G]
     vr_ptr,  # value residual [B, Hkv, vr_rows, D]
     counts_ptr,  # int32 [4, B]: sinks, quantized keys, quantized values, tokens after the sinks
-    batch, kv_heads, qk_scale,
-    mask_k, mask_v,  # 2^bits - 1 of keys and values, at run time (see unpack_codes)
+    batch, kv_heads, num_splits, qk_scale,
     stride_qb, stride_qh, stride_ob, stride_oh,
     sink_rows, kc_rows, ks_rows, kr_rows, vc_rows, vr_rows,
     HG: tl.constexpr,  # query heads per KV head
-    HGP: tl.constexpr,  # HG padded (see _padded_heads)
+    HP: tl.constexpr,  # HG padded to a power of two
     HEAD_DIM: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    ROWS: tl.constexpr,  # key words per channel in a fast tile: the N of the key matmuls
+    SINGLE: tl.constexpr,  # num_splits == 1: write the final output
+    ASM: tl.constexpr,
 ):
+    CPW_V: tl.constexpr = 32 // BITS_V
+    TILE: tl.constexpr = ROWS * (32 // BITS_K)
     VG: tl.constexpr = HEAD_DIM // GROUP
-    TG: tl.constexpr = (BLOCK_N + GROUP - 1) // GROUP
     bh, split = tl.program_id(0), tl.program_id(1)
     b, h = bh // kv_heads, bh % kv_heads
     n_sink = tl.load(counts_ptr + b)
@@ -184,77 +227,58 @@ def _decode_kernel(
     ks_ptr += bh64 * ks_rows * HEAD_DIM
     kz_ptr += bh64 * ks_rows * HEAD_DIM
     kr_ptr += bh64 * kr_rows * HEAD_DIM
-    vc_ptr += bh64 * vc_rows * (HEAD_DIM // (32 // BITS_V))
+    vc_ptr += bh64 * vc_rows * (HEAD_DIM // CPW_V)
     vs_ptr += bh64 * vc_rows * VG
     vz_ptr += bh64 * vc_rows * VG
     vr_ptr += bh64 * vr_rows * HEAD_DIM
 
-    # Queries as columns: q_k [D, HGP], one per query head of this KV head (padding heads are 0).
     d = tl.arange(0, HEAD_DIM)
-    m = tl.arange(0, HGP)
-    q_off = b.to(tl.int64) * stride_qb + (h * HG + m)[None, :] * stride_qh + d[:, None]
-    q_k = tl.load(q_ptr + q_off, mask=(m < HG)[None, :], other=0.0).to(tl.float32) * qk_scale
-    first_block = (tl.arange(0, TG) == 0)[None, :, None]
-    q_full = _split16(tl.reshape(tl.where(first_block, q_k[:, None, :], 0.0), (HEAD_DIM, TG * HGP)))
-    m_i = tl.full([HGP], float("-inf"), tl.float32)
-    l_acc = tl.zeros([BLOCK_N, HGP], tl.float32)  # softmax sums per token slot, summed at the end
-    accz = tl.zeros([BLOCK_N, HGP * VG], tl.float32)  # value zero terms per token slot, likewise
-    acc_t = tl.zeros([HEAD_DIM, HGP * VG], tl.float32)
-    n = tl.arange(0, BLOCK_N)
+    m = tl.arange(0, HP)
+    q_off = b.to(tl.int64) * stride_qb + (h * HG + m)[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=(m < HG)[:, None], other=0.0).to(tl.float32) * qk_scale  # [HP, D]; padding heads 0
+    m_i = tl.full([HP], float("-inf"), tl.float32)
+    l_i = tl.zeros([HP], tl.float32)
 
-    # Tiles of the positions after the sinks, shared out evenly among the splits.
-    fast_tiles = tl.minimum(n_qk, n_qv) // BLOCK_N  # keys and values all quantized
-    tiles = tl.cdiv(n_tok, BLOCK_N)
-    per_split = tl.cdiv(tiles, NUM_SPLITS)
+    # Fast tiles, shared out evenly among the splits.
+    fast_tiles = tl.minimum(n_qk, n_qv) // TILE
+    per_split = tl.cdiv(fast_tiles, num_splits)
     lo = split * per_split
-    hi = tl.minimum(lo + per_split, tiles)
-    for t in range(lo, tl.minimum(hi, fast_tiles)):
-        i = t * BLOCK_N + n
-        logits = _quant_key_logits(q_k, mask_k, kc_ptr, ks_ptr, kz_ptr, t * BLOCK_N, n_qk, HEAD_DIM, BITS_K, GROUP, False)
-        p, m_i, alpha = _softmax_step(logits, m_i)
-        l_acc = l_acc * alpha[None, :] + p
-        alpha_v = _per_value_group(alpha[None, :], VG)
-        acc_t, accz = _quant_value_update(acc_t * alpha_v, accz * alpha_v, _per_value_group(p, VG), mask_v, vc_ptr,
-                                          vs_ptr, vz_ptr, i, i < n_qv, HEAD_DIM, BITS_V, GROUP, False)
-    for t in range(tl.maximum(lo, fast_tiles), hi):
-        i = t * BLOCK_N + n
-        logits = tl.where((i < n_qk)[:, None],
-                          _quant_key_logits(q_k, mask_k, kc_ptr, ks_ptr, kz_ptr, t * BLOCK_N, n_qk, HEAD_DIM, BITS_K, GROUP, True),
-                          _full_key_logits(q_full, kr_ptr, i - n_qk, (i >= n_qk) & (i < n_tok), HEAD_DIM, GROUP))
-        p, m_i, alpha = _softmax_step(tl.where((i < n_tok)[:, None], logits, float("-inf")), m_i)
-        l_acc = l_acc * alpha[None, :] + p
-        alpha_v = _per_value_group(alpha[None, :], VG)
-        p_v = _per_value_group(p, VG)
-        quant_v = (i < n_qv)[:, None]
-        acc_t, accz = _quant_value_update(acc_t * alpha_v, accz * alpha_v, tl.where(quant_v, p_v, 0.0), mask_v, vc_ptr,
-                                          vs_ptr, vz_ptr, i, i < n_qv, HEAD_DIM, BITS_V, GROUP, True)
-        acc_t = _full_value_update(acc_t, tl.where(quant_v, 0.0, p_v), vr_ptr, i - n_qv, (i >= n_qv) & (i < n_tok), HEAD_DIM)
-    if split == 0:
-        for t in range(0, tl.cdiv(n_sink, BLOCK_N)):
-            i = t * BLOCK_N + n
-            logits = _full_key_logits(q_full, k_sink_ptr, i, i < n_sink, HEAD_DIM, GROUP)
-            p, m_i, alpha = _softmax_step(tl.where((i < n_sink)[:, None], logits, float("-inf")), m_i)
-            l_acc = l_acc * alpha[None, :] + p
-            alpha_v = _per_value_group(alpha[None, :], VG)
-            accz = accz * alpha_v
-            acc_t = _full_value_update(acc_t * alpha_v, _per_value_group(p, VG), v_sink_ptr, i, i < n_sink, HEAD_DIM)
+    hi = tl.minimum(lo + per_split, fast_tiles)
+    accs = ()
+    for jv in tl.static_range(CPW_V):
+        accs = accs + (tl.zeros([HP * VG, HEAD_DIM // CPW_V], tl.float32),)
+    accz = tl.zeros([HP, VG], tl.float32)
+    for t in range(lo, hi):
+        accs, accz, m_i, l_i = _fast_tile(q, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                                          HEAD_DIM, BITS_K, BITS_V, GROUP, ROWS, ASM)
+    acc = _fold(accs, accz, HEAD_DIM, BITS_V, GROUP)
 
-    # Block-diagonal readout: channel d of head m lives in column (m, d // G); the zero terms likewise.
-    in_group = (d // GROUP)[:, None, None] == tl.arange(0, VG)[None, None, :]  # [D, 1, VG]
-    zero_terms = tl.reshape(tl.sum(accz, axis=0), (1, HGP, VG))
-    o_t = tl.sum(tl.where(in_group, tl.reshape(acc_t, (HEAD_DIM, HGP, VG)) + zero_terms, 0.0), axis=2)  # [D, HGP]
-    l_h = tl.sum(l_acc, axis=0)
+    # The tail and the sinks, on the last split (it owns the fewest fast tiles).
+    if split == num_splits - 1:
+        n = tl.arange(0, TAIL_BLOCK)
+        for t in range(fast_tiles * (TILE // TAIL_BLOCK), tl.cdiv(n_tok, TAIL_BLOCK)):
+            i = t * TAIL_BLOCK + n
+            k, v = _tail_kv(i, n_qk, n_qv, n_tok, kc_ptr, ks_ptr, kz_ptr, kr_ptr, vc_ptr, vs_ptr, vz_ptr, vr_ptr,
+                            HEAD_DIM, BITS_K, BITS_V, GROUP)
+            acc, m_i, l_i = _full_update(q, k, v, i < n_tok, acc, m_i, l_i)
+        for t in range(0, tl.cdiv(n_sink, TAIL_BLOCK)):
+            i = t * TAIL_BLOCK + n
+            rows = i[:, None] * HEAD_DIM + d[None, :]
+            k = tl.load(k_sink_ptr + rows, mask=(i < n_sink)[:, None], other=0.0).to(tl.float32)
+            v = tl.load(v_sink_ptr + rows, mask=(i < n_sink)[:, None], other=0.0).to(tl.float32)
+            acc, m_i, l_i = _full_update(q, k, v, i < n_sink, acc, m_i, l_i)
+
     hq = h * HG + m
-    real = (m < HG)[None, :]
-    if NUM_SPLITS == 1:
-        o_off = b.to(tl.int64) * stride_ob + hq[None, :] * stride_oh + d[:, None]
-        tl.store(out_ptr + o_off, round_to(o_t / l_h[None, :], out_ptr.dtype.element_ty), mask=real)
+    real = (m < HG)[:, None]
+    if SINGLE:
+        o_off = b.to(tl.int64) * stride_ob + hq[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, round_to(acc / l_i[:, None], out_ptr.dtype.element_ty), mask=real)
     else:
-        seen = l_h > 0  # a split can own no tiles (short sequence): weight 0 in the merge
-        l_h = tl.where(seen, l_h, 1.0)
-        row = (b * (kv_heads * HG) + hq).to(tl.int64) * NUM_SPLITS + split
-        tl.store(out_ptr + row[None, :] * HEAD_DIM + d[:, None], o_t / l_h[None, :], mask=real)
-        tl.store(lse_ptr + row, tl.where(seen, m_i + tl.log2(l_h), float("-inf")), mask=m < HG)
+        seen = l_i > 0  # a split can own no tokens (short sequence): weight 0 in the merge
+        l_i = tl.where(seen, l_i, 1.0)
+        row = (b * (kv_heads * HG) + hq).to(tl.int64) * num_splits + split
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=real)
+        tl.store(lse_ptr + row, tl.where(seen, m_i + tl.log2(l_i), float("-inf")), mask=m < HG)
 
 
 @triton.jit
@@ -272,18 +296,22 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, q_heads, stride_ob, stride_oh,
     tl.store(out_ptr + off, round_to(o, out_ptr.dtype.element_ty))
 
 
-def _padded_heads(head_dim: int, group_size: int, group_heads: int) -> int:
-    """HGP: query heads per KV head padded to a power of two that gives every matmul >= 16 columns:
-    HGP * D / G value columns and 2 * ceil(BLOCK_N / G) * HGP key columns."""
-    key_blocks = 2 * triton.cdiv(BLOCK_N.value, group_size)
-    return max(triton.next_power_of_2(group_heads), triton.cdiv(MIN_DOT, head_dim // group_size), triton.cdiv(MIN_DOT, key_blocks))
+def tile_rows(k_bits: int, group_size: int) -> int:
+    """Key words per channel in a fast tile: 8 (the N of one mma), or 16 when a key group needs it."""
+    return 8 if (8 * codes_per_word(k_bits)) % group_size == 0 else 16
 
 
-def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device, per_sm: int = 4) -> int:
-    """Splits per sequence for about ``per_sm`` programs per multiprocessor, each with >= 4 tiles of the longest."""
+def tile_tokens(k_bits: int, group_size: int) -> int:
+    """Tokens per fast tile."""
+    return tile_rows(k_bits, group_size) * codes_per_word(k_bits)
+
+
+def default_num_splits(batch: int, kv_heads: int, max_tokens: int, k_bits: int, device: torch.device, per_sm: int = 32) -> int:
+    """Splits per sequence for about ``per_sm`` one-warp programs per multiprocessor, each with >= 2 fast tiles
+    of the longest sequence."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     wanted = triton.cdiv(per_sm * sms, batch * kv_heads)
-    return max(1, min(wanted, max_tokens // (4 * BLOCK_N.value), 128))
+    return max(1, min(wanted, max_tokens // (2 * tile_tokens(k_bits, 32)), 128))
 
 
 def decode_attention_tensors(
@@ -305,7 +333,7 @@ def decode_attention_tensors(
     scaling: float,
     num_splits: int,
     out: torch.Tensor | None = None,  # [B, Hq, 1, D], any float dtype (tests pass float32 to see unrounded results)
-    launch: tuple[int, int] | None = None,  # (num_warps, num_stages); default LAUNCH[head_dim]
+    num_stages: int = 1,  # no software pipelining measured fastest (BENCHMARKS.md)
 ) -> torch.Tensor:
     """Decode attention over KIVI buffers laid out as ``kivi.stream.KVStream`` holds them. Returns ``out``.
 
@@ -316,11 +344,11 @@ def decode_attention_tensors(
     dtype = k_resid.dtype
     if q_len != 1 or q_heads % kv_heads:
         raise ValueError(f"decode_attention: query must be [B, Hq, 1, D] with Hq % Hkv == 0, got {tuple(query.shape)}, Hkv={kv_heads}")
-    if dim not in LAUNCH or group_size & (group_size - 1) or group_size < MIN_DOT or dim % group_size:
-        raise ValueError(f"decode_attention: head_dim={dim} must be one of {sorted(LAUNCH)} and group_size={group_size} "
-                         "a power of two >= 16 dividing it")
     if k_bits not in (2, 4, 8) or v_bits not in (2, 4, 8):
         raise ValueError(f"decode_attention: k_bits and v_bits must be 2, 4 or 8, got {k_bits}, {v_bits}")
+    reason = _shape_problem(dim, group_size, k_bits)
+    if reason:
+        raise ValueError(f"decode_attention: {reason}")
     cpw_k, cpw_v, vg = codes_per_word(k_bits), codes_per_word(v_bits), dim // group_size
     expected = {
         "k_sink": (k_sink, (batch, kv_heads, k_sink.shape[2], dim), dtype),
@@ -350,15 +378,14 @@ def decode_attention_tensors(
     else:
         target = torch.empty(batch, q_heads, num_splits, dim, dtype=torch.float32, device=query.device)
         lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=query.device)
-    num_warps, num_stages = launch or LAUNCH[dim]
     group_heads = q_heads // kv_heads
     _decode_kernel[(batch * kv_heads, num_splits)](
         query, target, lse, k_sink, v_sink, k_codes, k_scale, k_zero, k_resid, v_codes, v_scale, v_zero, v_resid, counts,
-        batch, kv_heads, scaling * LOG2E, (1 << k_bits) - 1, (1 << v_bits) - 1,
+        batch, kv_heads, num_splits, scaling * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_sink.shape[2], k_codes.shape[2], k_scale.shape[2], k_resid.shape[2], v_codes.shape[2], v_resid.shape[2],
-        HG=group_heads, HGP=_padded_heads(dim, group_size, group_heads), HEAD_DIM=dim, BITS_K=k_bits, BITS_V=v_bits,
-        GROUP=group_size, NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages,
+        HG=group_heads, HP=triton.next_power_of_2(group_heads), HEAD_DIM=dim, BITS_K=k_bits, BITS_V=v_bits,
+        GROUP=group_size, ROWS=tile_rows(k_bits, group_size), SINGLE=num_splits == 1, ASM=query.is_cuda, num_warps=1, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_kernel[(batch * q_heads,)](
@@ -376,11 +403,19 @@ def unsupported(query: torch.Tensor, key_stream, value_stream) -> str | None:
         return "needs keys grouped along tokens (axis 'channel') and values along channels (axis 'token')"
     if not (key_stream.quantizes and value_stream.quantizes):
         return "both streams must be quantized (2, 4 or 8 bits)"
-    g, dim = key_stream.group_size, query.shape[-1]
-    if dim not in LAUNCH:
-        return f"head_dim={dim}: launches are validated for head_dim {sorted(LAUNCH)}"
-    if value_stream.group_size != g or g & (g - 1) or dim % g or g < MIN_DOT:
-        return f"group_size={g} must be a power of two >= 16 dividing head_dim={dim}"
+    if value_stream.group_size != key_stream.group_size:
+        return "keys and values must share group_size"
+    return _shape_problem(query.shape[-1], key_stream.group_size, key_stream.bits)
+
+
+def _shape_problem(dim: int, group_size: int, k_bits: int) -> str | None:
+    if dim not in HEAD_DIMS:
+        return f"head_dim={dim}: the kernel is checked for head_dim {HEAD_DIMS}"
+    g = group_size
+    if g & (g - 1) or g < 16 or dim % g or tile_tokens(k_bits, g) % g:
+        return (f"group_size={g} must be a power of two >= 16 dividing head_dim={dim} and the fast tile of "
+                f"{tile_tokens(k_bits, g)} {k_bits}-bit key tokens")
+
     return None
 
 
@@ -399,7 +434,7 @@ def decode_attention(query: torch.Tensor, key_stream, value_stream, scaling: flo
     counts = torch.tensor([key_stream.n_sink, key_stream.n_quant, value_stream.n_quant, after_sink], dtype=torch.int32)
     batch, kv_heads = key_stream.resid.shape[:2]
     if num_splits is None:
-        num_splits = default_num_splits(batch, kv_heads, max(after_sink), query.device)
+        num_splits = default_num_splits(batch, kv_heads, max(after_sink), key_stream.bits, query.device)
     kq, vq = key_stream.packed, value_stream.packed
     return decode_attention_tensors(
         query, key_stream.sink, kq.codes, kq.scale, kq.zero, key_stream.resid,

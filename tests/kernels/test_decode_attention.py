@@ -23,7 +23,7 @@ HEADS = {  # (query heads, KV heads, head_dim)
     "GQA-3 D64 (SmolLM2)": (6, 2, 64),
     "MQA-8 D128": (8, 1, 128),
 }
-LENGTHS = [211, 77, 133]  # ragged, multiples of neither G nor R
+LENGTHS = [611, 77, 333]  # ragged, multiples of neither G nor R; the longest has fast tiles at every bit width
 
 
 def random_case(config, heads, dtype, lengths, seed):
