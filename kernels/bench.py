@@ -109,7 +109,7 @@ def time_kivi(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bit
     """(median ms, bytes, splits) of the fused kernel."""
     batch, kv_heads, tokens, dim = keys.shape
     args = kivi_args(keys, values, bits)
-    splits = default_num_splits(batch, kv_heads, tokens, bits, query.device, per_sm)
+    splits = default_num_splits(batch, kv_heads, tokens, bits, GROUP, query.device, per_sm)
     nbytes = kivi_bytes(args, query)
 
     def make(copy: bool):

@@ -306,12 +306,13 @@ def tile_tokens(k_bits: int, group_size: int) -> int:
     return tile_rows(k_bits, group_size) * codes_per_word(k_bits)
 
 
-def default_num_splits(batch: int, kv_heads: int, max_tokens: int, k_bits: int, device: torch.device, per_sm: int = 32) -> int:
+def default_num_splits(batch: int, kv_heads: int, max_tokens: int, k_bits: int, group_size: int, device: torch.device,
+                       per_sm: int = 32) -> int:
     """Splits per sequence for about ``per_sm`` one-warp programs per multiprocessor, each with >= 2 fast tiles
     of the longest sequence."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     wanted = triton.cdiv(per_sm * sms, batch * kv_heads)
-    return max(1, min(wanted, max_tokens // (2 * tile_tokens(k_bits, 32)), 128))
+    return max(1, min(wanted, max_tokens // (2 * tile_tokens(k_bits, group_size)), 128))
 
 
 def decode_attention_tensors(
@@ -434,7 +435,7 @@ def decode_attention(query: torch.Tensor, key_stream, value_stream, scaling: flo
     counts = torch.tensor([key_stream.n_sink, key_stream.n_quant, value_stream.n_quant, after_sink], dtype=torch.int32)
     batch, kv_heads = key_stream.resid.shape[:2]
     if num_splits is None:
-        num_splits = default_num_splits(batch, kv_heads, max(after_sink), key_stream.bits, query.device)
+        num_splits = default_num_splits(batch, kv_heads, max(after_sink), key_stream.bits, g, query.device)
     kq, vq = key_stream.packed, value_stream.packed
     return decode_attention_tensors(
         query, key_stream.sink, kq.codes, kq.scale, kq.zero, key_stream.resid,
