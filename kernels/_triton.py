@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -19,3 +20,59 @@ def round_to(x, DTYPE: tl.constexpr):
         return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def store_split(acc, m_i, l_i, out_ptr, lse_ptr, b, h, split, kv_heads, num_splits, stride_ob, stride_oh,
+                HG: tl.constexpr, SINGLE: tl.constexpr):
+    """Write the result of the program (sequence b, KV head h, split): acc [HP, D] = sum p * v, l_i = sum p, m_i
+    the running max (log2 units), for query heads h * HG .. (rows past HG are padding). SINGLE: the final output
+    in its dtype; else the split's normalized partial and its log2-sum-exp, for ``merge_splits``."""
+    HP: tl.constexpr = acc.shape[0]
+    HEAD_DIM: tl.constexpr = acc.shape[1]
+    m = tl.arange(0, HP)
+    d = tl.arange(0, HEAD_DIM)
+    hq = h * HG + m
+    real = (m < HG)[:, None]
+    if SINGLE:
+        o_off = b.to(tl.int64) * stride_ob + hq[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, round_to(acc / l_i[:, None], out_ptr.dtype.element_ty), mask=real)
+    else:
+        seen = l_i > 0  # a split can own no tokens (short sequence): weight 0 in the merge
+        l_i = tl.where(seen, l_i, 1.0)
+        row = (b * (kv_heads * HG) + hq).to(tl.int64) * num_splits + split
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=real)
+        tl.store(lse_ptr + row, tl.where(seen, m_i + tl.log2(l_i), float("-inf")), mask=m < HG)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, q_heads, stride_ob, stride_oh,
+                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+    """out[b, h] = sum_s 2^(lse_s - max) * part_s / sum_s 2^(lse_s - max); part [B, Hq, S, D] fp32, lse [B, Hq, S]."""
+    bh = tl.program_id(0)
+    s = tl.arange(0, SPLITS_P2)
+    d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(lse_ptr + bh * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    part = tl.load(part_ptr + (bh * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    o = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
+    off = (bh // q_heads).to(tl.int64) * stride_ob + (bh % q_heads) * stride_oh + d
+    tl.store(out_ptr + off, round_to(o, out_ptr.dtype.element_ty))
+
+
+def split_targets(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where split-KV programs write: ``out`` [B, Hq, 1, D] itself for one split (no lse), else fp32 partials
+    [B, Hq, S, D] and their log2-sum-exps [B, Hq, S] for ``merge_splits``."""
+    if num_splits == 1:
+        return out, out
+    batch, q_heads, _, dim = out.shape
+    return (torch.empty(batch, q_heads, num_splits, dim, dtype=torch.float32, device=out.device),
+            torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=out.device))
+
+
+def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Combine split-KV partial results: part fp32 [B, Hq, S, D] (each normalized by its own sum), lse fp32
+    [B, Hq, S] (log2 of each split's sum of 2^logits, -inf for a split that saw no token) into out [B, Hq, 1, D]."""
+    batch, q_heads, splits, dim = part.shape
+    _merge_kernel[(batch * q_heads,)](part, lse, out, q_heads, out.stride(0), out.stride(1),
+                                      HEAD_DIM=dim, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits))

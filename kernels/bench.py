@@ -1,6 +1,7 @@
 """Kernel benchmark: ``python -m kernels.bench [--json PATH] [--sweep]``.
 
-Decode attention for one new token per sequence, fp16 SDPA against the fused KIVI-2 and KIVI-4 kernels, at
+Decode attention for one new token per sequence, fp16 SDPA against the fused KIVI-2 and KIVI-4 kernels (and
+the static engine's fp16 kernel, ``dense ms``), at
 batch B and context S, for the Llama-2-7B attention shape (32 heads, head_dim 128, MHA) and a GQA shape
 (32 query / 8 KV heads); and quantize + pack. Every time is a ``triton.testing.do_bench`` median over input
 sets rotated through more than 4x the L2 cache. Effective bandwidth = bytes that must be read and written /
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from kernels import dense_decode
 from kernels.decode_attention import decode_attention_tensors, default_num_splits
 from kernels.quantize import packed_shapes, quantize_into
 from kivi.quant import Quantized
@@ -104,6 +106,20 @@ def time_sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> 
     return median_ms(fn), nbytes
 
 
+def time_dense(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> float:
+    """The static engine's fp16 kernel (per-sequence lengths; here every sequence is full)."""
+    batch, kv_heads, tokens, dim = keys.shape
+    lengths = torch.full((batch,), tokens, dtype=torch.int32, device=query.device)
+    splits = dense_decode.default_num_splits(batch, kv_heads, tokens, query.device)
+    nbytes = keys.nbytes + values.nbytes + 2 * query.nbytes
+
+    def make(copy: bool):
+        k, v = (keys.clone(), values.clone()) if copy else (keys, values)
+        return lambda: dense_decode.dense_decode_attention(query, k, v, lengths, dim**-0.5, splits)
+
+    return median_ms(rotated(make, nbytes))
+
+
 def time_kivi(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bits: int, per_sm: int = 32,
               num_stages: int = 1) -> tuple[float, int, int]:
     """(median ms, bytes, splits) of the fused kernel."""
@@ -134,6 +150,7 @@ def time_decode(case: DecodeCase, gen: torch.Generator) -> dict:
     query, keys, values = decode_inputs(case, gen)
     row = {"shape": case.shape, "batch": case.batch, "tokens": case.tokens}
     row["sdpa_ms"], row["sdpa_bytes"] = time_sdpa(query, keys, values)
+    row["dense_ms"] = time_dense(query, keys, values)
     for bits in (2, 4):
         row[f"kivi{bits}_ms"], row[f"kivi{bits}_bytes"], row[f"kivi{bits}_splits"] = time_kivi(query, keys, values, bits)
     return row
@@ -223,11 +240,11 @@ def print_tables(meta: dict, rows: list[dict], quant: list[dict], copy_bw: float
     print(f"{meta['device']}, copy {copy_bw / 1e12:.2f} TB/s (read + write), torch {meta['torch']}, triton {meta['triton']}, "
           f"G={GROUP} R={RESIDUAL}; bandwidth columns: % of copy")
     print(f"{'shape':10} {'B':>3} {'S':>6} {'splits':>6} {'sdpa ms':>9} {'kivi2 ms':>9} {'kivi4 ms':>9} {'x kivi2':>8} {'x kivi4':>8} "
-          f"{'bw sdpa':>8} {'bw kivi2':>8} {'bw kivi4':>8}")
+          f"{'bw sdpa':>8} {'bw kivi2':>8} {'bw kivi4':>8} {'dense ms':>9}")
     for r in rows:
         print(f"{r['shape']:10} {r['batch']:3d} {r['tokens']:6d} {r['kivi2_splits']:6d} {r['sdpa_ms']:9.4f} {r['kivi2_ms']:9.4f} "
               f"{r['kivi4_ms']:9.4f} {r['sdpa_ms'] / r['kivi2_ms']:8.2f} {r['sdpa_ms'] / r['kivi4_ms']:8.2f} "
-              f"{pct(r['sdpa_bytes'], r['sdpa_ms']):7.1f}% {pct(r['kivi2_bytes'], r['kivi2_ms']):7.1f}% {pct(r['kivi4_bytes'], r['kivi4_ms']):7.1f}%")
+              f"{pct(r['sdpa_bytes'], r['sdpa_ms']):7.1f}% {pct(r['kivi2_bytes'], r['kivi2_ms']):7.1f}% {pct(r['kivi4_bytes'], r['kivi4_ms']):7.1f}% {r['dense_ms']:9.4f}")
     for q in quant:
         print(f"quantize+pack {q['bits']}-bit axis={q['axis']:7} {q['shape']}: {q['ms']:.4f} ms, {q['copy_pct']:.1f}% of copy")
 

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import round_to
+from kernels._triton import merge_splits, split_targets, store_split
 from kivi.quant import codes_per_word
 
 LOG2E = math.log2(math.e)
@@ -155,10 +155,11 @@ def _fold(accs, accz, HEAD_DIM: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.co
 
 
 @triton.jit
-def _tail_kv(i, n_qk, n_qv, n_tok, kc_ptr, ks_ptr, kz_ptr, kr_ptr, vc_ptr, vs_ptr, vz_ptr, vr_ptr,
-             HEAD_DIM: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr):
+def _tail_kv(i, n_qk, n_qv, n_tok, kc_ptr, ks_ptr, kz_ptr, kr_ptr, vc_ptr, vs_ptr, vz_ptr, vr_ptr, vr_rows,
+             HEAD_DIM: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
+             V_RING: tl.constexpr):
     """Keys and values [TAIL_BLOCK, D] fp32 of positions ``i`` (after the sinks), each from its codes or its
-    residual; rows at or past n_tok are 0."""
+    residual; rows at or past n_tok are 0. V_RING: the value residual is a ring, position i in row i % vr_rows."""
     CPW_K: tl.constexpr = 32 // BITS_K
     CPW_V: tl.constexpr = 32 // BITS_V
     d = tl.arange(0, HEAD_DIM)[None, :]
@@ -175,7 +176,11 @@ def _tail_kv(i, n_qk, n_qv, n_tok, kc_ptr, ks_ptr, kz_ptr, kr_ptr, vc_ptr, vs_pt
     codes = ((words >> (BITS_V * (d % CPW_V))) & ((1 << BITS_V) - 1)).to(tl.float32)
     stat = i[:, None] * (HEAD_DIM // GROUP) + d // GROUP
     v = codes * tl.load(vs_ptr + stat, mask=qv, other=0.0).to(tl.float32) + tl.load(vz_ptr + stat, mask=qv, other=0.0).to(tl.float32)
-    resid = tl.load(vr_ptr + (i - n_qv)[:, None] * HEAD_DIM + d, mask=valid & ~qv, other=0.0).to(tl.float32)
+    if V_RING:
+        v_row = i % vr_rows
+    else:
+        v_row = i - n_qv
+    resid = tl.load(vr_ptr + v_row[:, None] * HEAD_DIM + d, mask=valid & ~qv, other=0.0).to(tl.float32)
     return k, tl.where(qv, v, resid)
 
 
@@ -199,7 +204,7 @@ def _decode_kernel(
     kc_ptr, ks_ptr, kz_ptr,  # keys: codes [B, Hkv, kc_rows, D] int32, scale/zero [B, Hkv, ks_rows, D]
     kr_ptr,  # key residual [B, Hkv, kr_rows, D]
     vc_ptr, vs_ptr, vz_ptr,  # values: codes [B, Hkv, vc_rows, D // cpw] int32, scale/zero [B, Hkv, vc_rows, D // G]
-    vr_ptr,  # value residual [B, Hkv, vr_rows, D]
+    vr_ptr,  # value residual [B, Hkv, vr_rows, D]: positions n_qv.. in order, or a ring (V_RING)
     counts_ptr,  # int32 [4, B]: sinks, quantized keys, quantized values, tokens after the sinks
     batch, kv_heads, num_splits, qk_scale,
     stride_qb, stride_qh, stride_ob, stride_oh,
@@ -210,6 +215,7 @@ def _decode_kernel(
     ROWS: tl.constexpr,  # key words per channel in a fast tile: the N of the key matmuls
     SINGLE: tl.constexpr,  # num_splits == 1: write the final output
     ASM: tl.constexpr,
+    V_RING: tl.constexpr,
 ):
     CPW_V: tl.constexpr = 32 // BITS_V
     TILE: tl.constexpr = ROWS * (32 // BITS_K)
@@ -259,7 +265,7 @@ def _decode_kernel(
         for t in range(fast_tiles * (TILE // TAIL_BLOCK), tl.cdiv(n_tok, TAIL_BLOCK)):
             i = t * TAIL_BLOCK + n
             k, v = _tail_kv(i, n_qk, n_qv, n_tok, kc_ptr, ks_ptr, kz_ptr, kr_ptr, vc_ptr, vs_ptr, vz_ptr, vr_ptr,
-                            HEAD_DIM, BITS_K, BITS_V, GROUP)
+                            vr_rows, HEAD_DIM, BITS_K, BITS_V, GROUP, V_RING)
             acc, m_i, l_i = _full_update(q, k, v, i < n_tok, acc, m_i, l_i)
         for t in range(0, tl.cdiv(n_sink, TAIL_BLOCK)):
             i = t * TAIL_BLOCK + n
@@ -268,32 +274,7 @@ def _decode_kernel(
             v = tl.load(v_sink_ptr + rows, mask=(i < n_sink)[:, None], other=0.0).to(tl.float32)
             acc, m_i, l_i = _full_update(q, k, v, i < n_sink, acc, m_i, l_i)
 
-    hq = h * HG + m
-    real = (m < HG)[:, None]
-    if SINGLE:
-        o_off = b.to(tl.int64) * stride_ob + hq[:, None] * stride_oh + d[None, :]
-        tl.store(out_ptr + o_off, round_to(acc / l_i[:, None], out_ptr.dtype.element_ty), mask=real)
-    else:
-        seen = l_i > 0  # a split can own no tokens (short sequence): weight 0 in the merge
-        l_i = tl.where(seen, l_i, 1.0)
-        row = (b * (kv_heads * HG) + hq).to(tl.int64) * num_splits + split
-        tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=real)
-        tl.store(lse_ptr + row, tl.where(seen, m_i + tl.log2(l_i), float("-inf")), mask=m < HG)
-
-
-@triton.jit
-def _merge_kernel(part_ptr, lse_ptr, out_ptr, q_heads, stride_ob, stride_oh,
-                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
-    """out[b, h] = sum_s 2^(lse_s - max) * part_s / sum_s 2^(lse_s - max); part [B, Hq, S, D] fp32, lse [B, Hq, S]."""
-    bh = tl.program_id(0)
-    s = tl.arange(0, SPLITS_P2)
-    d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(lse_ptr + bh * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))
-    part = tl.load(part_ptr + (bh * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
-    o = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
-    off = (bh // q_heads).to(tl.int64) * stride_ob + (bh % q_heads) * stride_oh + d
-    tl.store(out_ptr + off, round_to(o, out_ptr.dtype.element_ty))
+    store_split(acc, m_i, l_i, out_ptr, lse_ptr, b, h, split, kv_heads, num_splits, stride_ob, stride_oh, HG, SINGLE)
 
 
 def tile_rows(k_bits: int, group_size: int) -> int:
@@ -326,7 +307,7 @@ def decode_attention_tensors(
     v_codes: torch.Tensor,  # [B, Hkv, Tv, D // cpw_v] int32 (values grouped along channels)
     v_scale: torch.Tensor,  # [B, Hkv, Tv, D // G]
     v_zero: torch.Tensor,
-    v_resid: torch.Tensor,  # [B, Hkv, Rv, D]
+    v_resid: torch.Tensor,  # [B, Hkv, Rv, D]: positions n_qv.. in order, or with v_ring position i at row i % Rv
     counts: torch.Tensor,  # int32 [4, B] on the device: n_sink, n_quant keys, n_quant values, tokens after the sinks
     k_bits: int,
     v_bits: int,
@@ -335,6 +316,7 @@ def decode_attention_tensors(
     num_splits: int,
     out: torch.Tensor | None = None,  # [B, Hq, 1, D], any float dtype (tests pass float32 to see unrounded results)
     num_stages: int = 1,  # no software pipelining measured fastest (BENCHMARKS.md)
+    v_ring: bool = False,
 ) -> torch.Tensor:
     """Decode attention over KIVI buffers laid out as ``kivi.stream.KVStream`` holds them. Returns ``out``.
 
@@ -374,11 +356,7 @@ def decode_attention_tensors(
         out = torch.empty_like(query)
     if tuple(out.shape) != tuple(query.shape) or out.stride(-1) != 1:
         raise ValueError(f"decode_attention: out must be {tuple(query.shape)} with unit stride along D")
-    if num_splits == 1:
-        target, lse = out, out  # lse is unused on this path
-    else:
-        target = torch.empty(batch, q_heads, num_splits, dim, dtype=torch.float32, device=query.device)
-        lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=query.device)
+    target, lse = split_targets(out, num_splits)
     group_heads = q_heads // kv_heads
     _decode_kernel[(batch * kv_heads, num_splits)](
         query, target, lse, k_sink, v_sink, k_codes, k_scale, k_zero, k_resid, v_codes, v_scale, v_zero, v_resid, counts,
@@ -386,13 +364,10 @@ def decode_attention_tensors(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_sink.shape[2], k_codes.shape[2], k_scale.shape[2], k_resid.shape[2], v_codes.shape[2], v_resid.shape[2],
         HG=group_heads, HP=triton.next_power_of_2(group_heads), HEAD_DIM=dim, BITS_K=k_bits, BITS_V=v_bits,
-        GROUP=group_size, ROWS=tile_rows(k_bits, group_size), SINGLE=num_splits == 1, ASM=query.is_cuda, num_warps=1, num_stages=num_stages,
+        GROUP=group_size, ROWS=tile_rows(k_bits, group_size), SINGLE=num_splits == 1, ASM=query.is_cuda, V_RING=v_ring, num_warps=1, num_stages=num_stages,
     )
     if num_splits > 1:
-        _merge_kernel[(batch * q_heads,)](
-            target, lse, out, q_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=dim, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
-        )
+        merge_splits(target, lse, out)
     return out
 
 

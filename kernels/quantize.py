@@ -61,6 +61,36 @@ def _safe_scale(scale):
 
 
 @triton.jit
+def _token_words(x, DTYPE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """Values of x [T, D] fp32 in groups of GROUP channels -> (words [T, D // cpw] int32, scale, zero [T, D // GROUP])."""
+    CPW: tl.constexpr = 32 // BITS
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    T: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    x = tl.reshape(x, (T, D // GROUP, GROUP))
+    scale, zero = _scale_zero(tl.min(x, axis=2, keep_dims=True), tl.max(x, axis=2, keep_dims=True), DTYPE, QMAX, RECIPROCAL)
+    safe, inv = _safe_scale(scale)
+    codes = tl.reshape(_codes(x, zero, safe, inv, QMAX), (T, D // CPW, CPW))
+    # The codes of a word hold disjoint bits, so their sum is their bitwise OR.
+    words = tl.sum(codes << (tl.arange(0, CPW) * BITS)[None, None, :], axis=2)
+    return words, tl.reshape(scale, (T, D // GROUP)), tl.reshape(zero, (T, D // GROUP))
+
+
+@triton.jit
+def _channel_words(x, DTYPE: tl.constexpr, BITS: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """Keys of one group, x [G, D] fp32 (G tokens per channel) -> (words [G // cpw, D] int32, scale, zero [D])."""
+    CPW: tl.constexpr = 32 // BITS
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    G: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    scale, zero = _scale_zero(tl.min(x, axis=0), tl.max(x, axis=0), DTYPE, QMAX, RECIPROCAL)
+    safe, inv = _safe_scale(scale)
+    codes = tl.reshape(_codes(x, zero[None, :], safe[None, :], inv[None, :], QMAX), (G // CPW, CPW, D))
+    words = tl.sum(codes << (tl.arange(0, CPW) * BITS)[None, :, None], axis=1)
+    return words, scale, zero
+
+
+@triton.jit
 def _quantize_channel_kernel(
     x_ptr,  # [B, H, T, D] any strides; T % GROUP == 0
     codes_ptr,  # int32 [B, H, T // CPW, D]
@@ -131,7 +161,6 @@ def _quantize_token_kernel(
 ):
     """Values: groups of GROUP channels per token; a tile of BLOCK_T tokens x all channels per program."""
     CPW: tl.constexpr = 32 // BITS
-    QMAX: tl.constexpr = (1 << BITS) - 1
     bh = tl.program_id(1)
     b, h = bh // heads, bh % heads
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -141,21 +170,75 @@ def _quantize_token_kernel(
         inside = inside & (d < HEAD_DIM)[None, :]
     base = b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
     x = tl.load(x_ptr + base + t[:, None] * stride_xt + d[None, :] * stride_xd, mask=inside, other=0.0)
-    x = tl.reshape(x.to(tl.float32), (BLOCK_T, BLOCK_D // GROUP, GROUP))
-    scale, zero = _scale_zero(tl.min(x, axis=2, keep_dims=True), tl.max(x, axis=2, keep_dims=True),
-                              scale_ptr.dtype.element_ty, QMAX, RECIPROCAL)
-    safe, inv = _safe_scale(scale)
-    codes = tl.reshape(_codes(x, zero, safe, inv, QMAX), (BLOCK_T, BLOCK_D // CPW, CPW))
-    # The codes of a word hold disjoint bits, so their sum is their bitwise OR.
-    words = tl.sum(codes << (tl.arange(0, CPW) * BITS)[None, None, :], axis=2)  # [BLOCK_T, BLOCK_D // CPW]
+    words, scale, zero = _token_words(x.to(tl.float32), scale_ptr.dtype.element_ty, BITS, GROUP, RECIPROCAL)
     w_col = tl.arange(0, BLOCK_D // CPW)
     w_off = (bh.to(tl.int64) * tokens + t[:, None]) * (HEAD_DIM // CPW) + w_col[None, :]
     tl.store(codes_ptr + w_off, words, mask=(t < tokens)[:, None] & (w_col < HEAD_DIM // CPW)[None, :])
     s_col = tl.arange(0, BLOCK_D // GROUP)
     s_off = (bh.to(tl.int64) * tokens + t[:, None]) * (HEAD_DIM // GROUP) + s_col[None, :]
     s_mask = (t < tokens)[:, None] & (s_col < HEAD_DIM // GROUP)[None, :]
-    tl.store(scale_ptr + s_off, tl.reshape(scale, (BLOCK_T, BLOCK_D // GROUP)), mask=s_mask)
-    tl.store(zero_ptr + s_off, tl.reshape(zero, (BLOCK_T, BLOCK_D // GROUP)), mask=s_mask)
+    tl.store(scale_ptr + s_off, scale, mask=s_mask)
+    tl.store(zero_ptr + s_off, zero, mask=s_mask)
+
+
+@triton.jit
+def _flush_kernel(
+    kr_ptr,  # key residual [B, H, KEY_BLOCK, D]: position i at row i % KEY_BLOCK
+    vr_ptr,  # value ring [B, H, WINDOW + 1, D]: position i at row i % (WINDOW + 1)
+    kc_ptr, ks_ptr, kz_ptr,  # keys: codes [B, H, kc_rows, D], scale/zero [B, H, kc_rows * CPW_K // GROUP, D]
+    vc_ptr, vs_ptr, vz_ptr,  # values: codes [B, H, vc_rows, D // CPW_V], scale/zero [B, H, vc_rows, D // GROUP]
+    len_ptr,  # int32 [B]: the position of the token this step appended
+    heads, kc_rows, vc_rows,
+    HEAD_DIM: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
+    KEY_BLOCK: tl.constexpr, WINDOW: tl.constexpr, RECIPROCAL: tl.constexpr,
+):
+    """KIVI's flush after one decode step, for one (sequence, head): the key block when it is full, the value
+    that left the window. Programs of sequences with nothing to flush only read their length."""
+    CPW_K: tl.constexpr = 32 // BITS_K
+    CPW_V: tl.constexpr = 32 // BITS_V
+    bh = tl.program_id(0)
+    t = tl.load(len_ptr + bh // heads)
+    bh64 = bh.to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    if (t + 1) % KEY_BLOCK == 0:
+        first = t + 1 - KEY_BLOCK
+        for g in tl.static_range(KEY_BLOCK // GROUP):
+            r = g * GROUP + tl.arange(0, GROUP)
+            x = tl.load(kr_ptr + (bh64 * KEY_BLOCK + r[:, None]) * HEAD_DIM + d[None, :]).to(tl.float32)
+            words, scale, zero = _channel_words(x, ks_ptr.dtype.element_ty, BITS_K, RECIPROCAL)
+            w_row = (first + g * GROUP) // CPW_K + tl.arange(0, GROUP // CPW_K)
+            tl.store(kc_ptr + (bh64 * kc_rows + w_row[:, None]) * HEAD_DIM + d[None, :], words)
+            s_off = (bh64 * (kc_rows * CPW_K // GROUP) + first // GROUP + g) * HEAD_DIM + d
+            tl.store(ks_ptr + s_off, scale)
+            tl.store(kz_ptr + s_off, zero)
+    if t >= WINDOW:
+        i = t - WINDOW
+        x = tl.load(vr_ptr + (bh64 * (WINDOW + 1) + i % (WINDOW + 1)) * HEAD_DIM + d).to(tl.float32)
+        words, scale, zero = _token_words(tl.reshape(x, (1, HEAD_DIM)), vs_ptr.dtype.element_ty, BITS_V, GROUP, RECIPROCAL)
+        w = tl.arange(0, HEAD_DIM // CPW_V)
+        tl.store(vc_ptr + (bh64 * vc_rows + i) * (HEAD_DIM // CPW_V) + w, tl.reshape(words, (HEAD_DIM // CPW_V,)))
+        gs = tl.arange(0, HEAD_DIM // GROUP)
+        s_off = (bh64 * vc_rows + i) * (HEAD_DIM // GROUP) + gs
+        tl.store(vs_ptr + s_off, tl.reshape(scale, (HEAD_DIM // GROUP,)))
+        tl.store(vz_ptr + s_off, tl.reshape(zero, (HEAD_DIM // GROUP,)))
+
+
+def flush_step(key_resid: torch.Tensor, value_ring: torch.Tensor, keys: Quantized, values: Quantized,
+               positions: torch.Tensor, k_bits: int, v_bits: int, group_size: int) -> None:
+    """KIVI's flush after a decode step appended the token at ``positions`` (int32 [B]) of every sequence.
+
+    Keys: when the residual (``key_resid`` [B, H, KB, D], position i in row i % KB) is full, its KB tokens are
+    quantized per channel at rows of their positions. Values: the window holds R = value_ring.shape[2] - 1
+    tokens; the one that leaves it (position - R) is quantized per token. Every index is read on the device,
+    so a CUDA graph can capture the call.
+    """
+    batch, heads, key_block, dim = key_resid.shape
+    _flush_kernel[(batch * heads,)](
+        key_resid, value_ring, keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero, positions,
+        heads, keys.codes.shape[2], values.codes.shape[2],
+        HEAD_DIM=dim, BITS_K=k_bits, BITS_V=v_bits, GROUP=group_size, KEY_BLOCK=key_block,
+        WINDOW=value_ring.shape[2] - 1, RECIPROCAL=key_resid.device.type == "cuda", num_warps=4,
+    )
 
 
 def quantize_into(x: torch.Tensor, out: Quantized, bits: int, group_size: int, axis: str, block_t: int | None = None) -> Quantized:

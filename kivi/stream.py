@@ -77,11 +77,7 @@ class KVStream:
             self.n_resid[b] -= n
 
     def _quantize(self, x: torch.Tensor) -> Quantized:
-        if x.is_cuda and not self.group_size & (self.group_size - 1):  # the fused kernel takes power-of-two groups
-            from kernels.quantize import quantize as fused_quantize
-
-            return fused_quantize(x, self.bits, self.group_size, self.axis)
-        return quantize(x, self.bits, self.group_size, self.dim)
+        return quantize_on_device(x, self.bits, self.group_size, self.axis)
 
     def _tokens_to_flush(self, n_resid: int) -> int:
         g, r = self.group_size, self.residual_length
@@ -182,6 +178,15 @@ class KVStream:
         if not quant:
             return full
         return full + quant * self.bits // 8 + 2 * quant // self.group_size * item
+
+
+def quantize_on_device(x: torch.Tensor, bits: int, group_size: int, axis: str) -> Quantized:
+    """kivi.quant.quantize along ``axis``; on CUDA by the fused kernel (same codes), which takes power-of-two groups."""
+    if x.is_cuda and not group_size & (group_size - 1):
+        from kernels.quantize import quantize as fused_quantize
+
+        return fused_quantize(x, bits, group_size, axis)
+    return quantize(x, bits, group_size, GROUP_DIM[axis])
 
 
 def _round_up(n: int, multiple: int) -> int:

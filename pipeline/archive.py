@@ -80,7 +80,9 @@ PERF = TableSpec(
     schema=pa.schema([
         ("run_id", pa.string()), ("model", pa.string()), ("cache", pa.string()), ("workload", pa.string()),
         ("batch_size", pa.int32()), ("prompt_len", pa.int32()), ("gen_len", pa.int32()),
-        ("tokens_per_s", pa.float64()), ("peak_mem_bytes", pa.int64()), ("kv_bytes", pa.int64()),
+        ("tokens_per_s", pa.float64()),  # generated tokens / (prefill + decode time)
+        ("decode_tokens_per_s", pa.float64()), ("step_ms", pa.float64()), ("prefill_s", pa.float64()),
+        ("peak_mem_bytes", pa.int64()), ("kv_bytes", pa.int64()),
         ("fp16_kv_bytes", pa.int64()), ("oom", pa.bool_()), ("device", pa.string()),
     ]),
     partitions=("run_id", "workload", "cache"),

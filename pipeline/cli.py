@@ -1,6 +1,6 @@
 """kivi-eval: run a config, gate a run, write its report, query the archive.
 
-    kivi-eval run configs/smoke.yaml              # local Ray unless --address / RAY_ADDRESS
+    kivi-eval run configs/smoke.yaml              # local Ray unless --address / RAY_ADDRESS (--no-ray: in process)
     kivi-eval gate RUN_ID --rules configs/gates/nightly.yaml
     kivi-eval report RUN_ID
     kivi-eval query "SELECT * FROM kivi_deltas"
@@ -18,7 +18,7 @@ DEFAULT_ARCHIVE = os.environ.get("KIVI_ARCHIVE", "archive")
 
 
 def run_config(config_path: str, run_id: str | None = None, archive: str | None = None, address: str | None = None,
-               kind: str | None = None, baseline_run_id: str | None = None) -> int:
+               kind: str | None = None, baseline_run_id: str | None = None, no_ray: bool = False) -> int:
     """Run (or resume) a config, then gate and report it; returns the gate's exit code (0 without rules)."""
     from pipeline.config import load_config
     from pipeline.runner import run
@@ -27,7 +27,7 @@ def run_config(config_path: str, run_id: str | None = None, archive: str | None 
     config = load_config(config_path, **overrides)
     if address:
         config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
-    summary = run(config, Path(config_path).read_text(), run_id)
+    summary = run(config, Path(config_path).read_text(), run_id, in_process=no_ray)
     print(f"run {summary.run_id}: computed {len(summary.computed)} shard×cache, reused {summary.reused}, "
           f"sweeps {summary.sweeps}")
     for placement in summary.placements:
@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--run-id", help="resume this run (only missing shards are computed)")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
     p.add_argument("--archive", help="archive root (default: the config's)")
+    p.add_argument("--no-ray", action="store_true", help="one worker in this process, without Ray (same worker code)")
     p = sub.add_parser("gate", help="evaluate gate rules for a run; exit 0 only if all pass")
     p.add_argument("run_id")
     p.add_argument("--rules", required=True)
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
 
     try:
         if args.command == "run":
-            return run_config(args.config, args.run_id, args.archive, args.address)
+            return run_config(args.config, args.run_id, args.archive, args.address, no_ray=args.no_ray)
         if args.command == "gate":
             return gate(args.run_id, args.rules, args.archive, args.baseline)
         if args.command == "report":

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
 from kivi import KiviConfig, KiviConfigError
+from kivi.static_cache import static_unsupported
 from pipeline.archive import FP16
 from pipeline.gate import GateConfig, GateConfigError, load_gate
 from pipeline.models import ModelSpecError, check_model_spec
@@ -140,11 +141,18 @@ def _check(config: RunConfig, path: Path) -> None:
         fail("caches", err)
     if not config.workloads:
         fail("workloads", ValueError("name at least one workload"))
+    sweeps = []
     for name, options in config.workloads.items():
         try:
-            get_workload(name, data_dir=config.data_dir, **options).check_data()
+            workload = get_workload(name, data_dir=config.data_dir, **options)
+            workload.check_data()
         except (UnknownWorkloadError, WorkloadOptionError, DataSourceError) as err:
             fail(f"workloads.{name}", err)
+        if workload.kind == "throughput":
+            sweeps.append(name)
+    for cache, kivi in config.kivi_configs().items():
+        if sweeps and kivi is not None and (reason := static_unsupported(kivi)):
+            fail("caches", ValueError(f"{cache} cannot run the {sweeps[0]} sweep on the static decode engine: {reason}"))
     if config.gate is not None:
         if not config.gate.is_file():
             fail("gate", FileNotFoundError(f"no gate rules file {config.gate}"))

@@ -1,4 +1,5 @@
-"""Generation with one cache configuration: batched greedy decoding for accuracy, a batch sweep for throughput."""
+"""Generation with one cache configuration: batched greedy decoding for accuracy (transformers.generate),
+throughput points on the static decode engine (pipeline.decode_engine)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kivi import KiviCache, KiviConfig, enable_kivi
 from kivi.fidelity import chunked_logprobs, compare
+from pipeline.decode_engine import DecodeEngine
 from pipeline.workloads import Request
 
 
@@ -26,13 +28,6 @@ def new_cache(model: PreTrainedModel, kivi: KiviConfig | None):
     return DynamicCache(config=model.config) if kivi is None else KiviCache(model.config, kivi)
 
 
-def cache_bytes(cache) -> int:
-    """Bytes the cache holds now (a DynamicCache holds padding too, in the model dtype)."""
-    if isinstance(cache, KiviCache):
-        return cache.kv_bytes()
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
-
-
 def fp16_bytes(model: PreTrainedModel, tokens: int) -> int:
     """Bytes a 16-bit cache needs for ``tokens`` real tokens: the common yardstick of every cache's kv_bytes."""
     cfg = model.config.get_text_config(decoder=True)
@@ -46,6 +41,7 @@ class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None):
         self.model, self.tokenizer = enable_kivi(model), tokenizer
         self.device = model.device
+        self.decoder: DecodeEngine | None = None  # built on the first throughput point
 
     def prompt_text(self, request: Request) -> str:
         if request.meta.get("apply_chat_template") and getattr(self.tokenizer, "chat_template", None):
@@ -91,9 +87,8 @@ class Engine:
         logprobs = reference if kivi is None else chunked_logprobs(self.model, ids, new_cache(self.model, kivi), chunk)
         return compare(reference, logprobs, ids, chunk) | {"tokens": int(ids.shape[1])}
 
-    @torch.inference_mode()
     def throughput(self, requests: list[Request], kivi: KiviConfig | None, batch_size: int, max_new_tokens: int | None) -> dict:
-        """Decode the first ``batch_size`` requests together, EOS ignored, and time it.
+        """Decode the first ``batch_size`` requests together on the static decode engine, EOS ignored, and time it.
 
         Every sequence generates the batch's longest expected output (capped by ``max_new_tokens``), so the
         tokens counted are exactly the tokens produced. Raises torch.OutOfMemoryError when the batch does not fit.
@@ -101,26 +96,20 @@ class Engine:
         batch = requests[:batch_size]
         gen_len = max(r.max_new_tokens for r in batch)
         gen_len = min(gen_len, max_new_tokens) if max_new_tokens else gen_len
-        enc = self.tokenizer([r.prompt for r in batch], return_tensors="pt", padding=True, add_special_tokens=False)
-        enc = enc.to(self.device)
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-        cache = new_cache(self.model, kivi)
-        began = time.perf_counter()
-        self.model.generate(**enc, past_key_values=cache, do_sample=False, min_new_tokens=gen_len,
-                            max_new_tokens=gen_len, pad_token_id=self.tokenizer.pad_token_id)
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - began
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        # A random-weight model borrows a tokenizer whose ids may exceed its vocabulary; ids do not change speed.
+        prompts = [[t % vocab for t in ids] for ids in self.tokenizer([r.prompt for r in batch], add_special_tokens=False).input_ids]
+        if self.decoder is None:
+            self.decoder = DecodeEngine(self.model)
+        run = self.decoder.run(prompts, gen_len, kivi)
+        capacity = max(map(len, prompts)) + gen_len - 1
         return dict(
-            batch_size=len(batch), prompt_len=int(enc.input_ids.shape[1]), gen_len=gen_len,
-            tokens_per_s=len(batch) * gen_len / elapsed,
-            peak_mem_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
-            kv_bytes=cache_bytes(cache),
-            # the last token is generated but never stored
-            fp16_kv_bytes=fp16_bytes(self.model, int(enc.attention_mask.sum()) + len(batch) * (gen_len - 1)),
+            batch_size=len(batch), prompt_len=max(map(len, prompts)), gen_len=gen_len,
+            tokens_per_s=len(batch) * gen_len / (run.prefill_s + run.decode_s),
+            decode_tokens_per_s=len(batch) * (gen_len - 1) / run.decode_s if gen_len > 1 else None,
+            step_ms=1e3 * run.step_s if gen_len > 1 else None, prefill_s=run.prefill_s,
+            peak_mem_bytes=run.peak_mem_bytes, kv_bytes=run.cache_bytes,
+            fp16_kv_bytes=fp16_bytes(self.model, len(batch) * capacity),  # a 16-bit static cache of the same capacity
             oom=False,
         )
 

@@ -118,6 +118,15 @@ def load_model(
     return model.to(device).eval(), load_tokenizer(spec)
 
 
+def load_model_config(spec: str) -> PretrainedConfig:
+    """The model's configuration, without its weights."""
+    if spec.startswith(RANDOM_PREFIX):
+        return AutoConfig.for_model(**_random_shape(spec).to_dict())
+    source, gguf_file = _resolve(spec)
+    with _explained_load_errors(spec):
+        return AutoConfig.from_pretrained(source, gguf_file=gguf_file)
+
+
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     """The model's tokenizer, set up for batched generation (left padding, a pad token)."""
     if spec.startswith(RANDOM_PREFIX):
@@ -239,7 +248,7 @@ def _random_shape(spec: str) -> PretrainedConfig:
 
 
 def _random_model(spec: str, device, dtype: torch.dtype) -> PreTrainedModel:
-    config = AutoConfig.for_model(**_random_shape(spec).to_dict())
+    config = load_model_config(spec)
     torch.manual_seed(0)  # same weights on every actor: runs are comparable
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -11,7 +11,6 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ray
 from tqdm import tqdm
 
 from pipeline.archive import ArchiveWriter
@@ -41,8 +40,12 @@ def make_shards(workload: str, requests: list, shard_size: int) -> list[Shard]:
     return [Shard(workload, i // shard_size, tuple(ordered[i : i + shard_size])) for i in range(0, len(ordered), shard_size)]
 
 
-def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress: bool = True) -> RunSummary:
-    """Run (or resume, when ``run_id`` names an unfinished run) and return what was computed."""
+def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress: bool = True,
+        in_process: bool = False) -> RunSummary:
+    """Run (or resume, when ``run_id`` names an unfinished run) and return what was computed.
+
+    ``in_process``: one worker in this process instead of Ray actors (same worker code, same archive).
+    """
     run_id = run_id or new_run_id(config.kind)
     archive = ArchiveWriter(config.archive, run_id)
     manifest = archive.read_run()
@@ -56,7 +59,7 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
     summary = RunSummary(run_id)
     try:
         shard_jobs, sweep_jobs, skipped = _plan(config, archive, summary)
-        _execute(config, ctx, shard_jobs, sweep_jobs, summary, progress)
+        _execute(config, ctx, shard_jobs, sweep_jobs, summary, progress, in_process)
     except BaseException:
         archive.update_run_status("failed")
         raise
@@ -68,7 +71,7 @@ def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary):
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.spec)
     caches = list(config.kivi_configs())
     shard_jobs, sweep_jobs, skipped = [], [], {}
-    budget = config.model.max_context - _chat_template_tokens(tokenizer)
+    budget = request_budget(config, tokenizer)
     for name, workload in config.build_workloads().items():
         requests = workload.requests(tokenizer, budget)
         skipped[name] = dict(workload.skipped)
@@ -85,9 +88,32 @@ def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary):
     return shard_jobs, sweep_jobs, skipped
 
 
-def _execute(config: RunConfig, ctx: RunContext, shard_jobs, sweep_jobs, summary: RunSummary, progress: bool) -> None:
-    if not shard_jobs and not sweep_jobs:
+def _execute(config: RunConfig, ctx: RunContext, shard_jobs, sweep_jobs, summary: RunSummary, progress: bool,
+             in_process: bool) -> None:
+    jobs = [("shard", job) for job in shard_jobs] + [("sweep", job) for job in sweep_jobs]
+    if not jobs:
         return
+    finished = _in_process(ctx, jobs, summary) if in_process else _on_ray(config, ctx, jobs, summary)
+    for kind, job in tqdm(finished, total=len(jobs), desc=f"run {ctx.run_id}", unit="job", disable=not progress):
+        if kind == "shard":
+            summary.computed += [(job[0].workload, job[0].index, cache) for cache in job[1]]
+        else:
+            summary.sweeps.append(job[2])
+
+
+def _in_process(ctx: RunContext, jobs: list, summary: RunSummary):
+    """The same worker without Ray: one model load in this process, jobs in order (hosts without Ray, debugging)."""
+    worker = EvalWorker(ctx)
+    summary.placements = [worker.placement()]
+    for kind, job in jobs:
+        worker.run_shard(*job) if kind == "shard" else worker.run_sweep(*job)
+        yield kind, job
+
+
+def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary):
+    """One actor per GPU (or CPU actors), each loading the model once; yields jobs as they finish."""
+    import ray
+
     if not ray.is_initialized():
         ray.init(address=config.ray.address, log_to_driver=True)
     cluster = ray.cluster_resources()
@@ -102,8 +128,6 @@ def _execute(config: RunConfig, ctx: RunContext, shard_jobs, sweep_jobs, summary
         resources["runtime_env"] = {"env_vars": {CRASH_ONCE_ENV: os.environ[CRASH_ONCE_ENV]}}
     actors = [actor_cls.options(**resources).remote(ctx) for _ in range(n_actors)]
     summary.placements = ray.get([a.placement.remote() for a in actors])
-    jobs = [("shard", job) for job in shard_jobs] + [("sweep", job) for job in sweep_jobs]
-    bar = tqdm(total=len(jobs), desc=f"run {ctx.run_id}", unit="job", disable=not progress)
     idle, running = list(actors), {}
     try:
         while jobs or running:
@@ -116,15 +140,15 @@ def _execute(config: RunConfig, ctx: RunContext, shard_jobs, sweep_jobs, summary
             actor, kind, job = running.pop(ref)
             ray.get(ref)  # re-raises a failure that outlived its retries: the run stops, a rerun resumes
             idle.append(actor)
-            if kind == "shard":
-                summary.computed += [(job[0].workload, job[0].index, cache) for cache in job[1]]
-            else:
-                summary.sweeps.append(job[2])
-            bar.update()
+            yield kind, job
     finally:
-        bar.close()
         for actor in actors:
             ray.kill(actor)
+
+
+def request_budget(config: RunConfig, tokenizer) -> int:
+    """Prompt + generation tokens a request may have: the model's context less what the chat template adds."""
+    return config.model.max_context - _chat_template_tokens(tokenizer)
 
 
 def _chat_template_tokens(tokenizer) -> int:

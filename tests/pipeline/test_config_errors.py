@@ -29,6 +29,8 @@ def _kivi_eval_run(config: Path) -> subprocess.CompletedProcess:
         (dict(kind="canary", workloads={"gsm8k": {"n": 2}}), "baseline_run_id: a canary needs the baseline run"),
         (dict(model={"spec": "random:llama-9b"}, workloads={"gsm8k": {"n": 2}}), "model.spec: model: unknown shape 'llama-9b'"),
         (dict(workloads={"gsm8k": {"n": 2}}, gate="missing-rules.yaml"), "gate: no gate rules file"),
+        (dict(caches=["kivi-2"], cache_overrides={"kivi-2": {"sink_tokens": 4}}, workloads={"sharegpt": {"n": 2}}),
+         "caches: kivi-k2v2-g32-r128-s4 cannot run the sharegpt sweep on the static decode engine: sink_tokens=4"),
     ],
 )
 def test_a_bad_config_names_the_field_and_the_fix(write_config, data_dir, fields, message):
@@ -62,7 +64,7 @@ def test_the_cli_fails_fast_with_one_line_and_no_archive(write_config, data_dir,
 
 
 def test_the_cpu_configs_validate_against_the_local_data(data_dir):
-    for name in ("smoke.yaml", "ci.yaml"):
+    for name in ("smoke.yaml", "ci.yaml", "sweep-h200.yaml"):
         config = load_config(CONFIGS / name, data_dir=str(data_dir))
         assert list(config.kivi_configs())[0] == "fp16"
 

@@ -74,3 +74,24 @@ def test_an_interrupted_run_resumes_only_the_missing_shards_and_equals_an_uninte
     fresh = run(config, path.read_text(), run_id="uninterrupted", progress=False)
     assert len(fresh.computed) == total
     assert _rows(config.archive, "interrupted") == _rows(config.archive, "uninterrupted")
+
+    # The same worker without Ray (`kivi-eval run --no-ray`) writes the same rows.
+    local = run(config, path.read_text(), run_id="in-process", progress=False, in_process=True)
+    assert len(local.computed) == total and local.placements[0]["ray_gpu_ids"] == []
+    assert _rows(config.archive, "in-process") == _rows(config.archive, "uninterrupted")
+
+
+def test_the_sweep_doubles_the_batch_on_the_static_engine_and_records_each_point(write_config, data_dir):
+    path = write_config(model=MODEL, caches=["kivi-2-r32"], data_dir=str(data_dir), workloads={"sharegpt": {"n": 4}},
+                        sweep={"start": 1, "max_batch": 4, "max_new_tokens": 6})
+    config = load_config(path)
+    summary = run(config, path.read_text(), progress=False, in_process=True)
+    assert sorted(summary.sweeps) == ["fp16", "kivi-k2v2-g32-r32"]
+    with Store(config.archive) as store:
+        points = store.records("SELECT * FROM perf ORDER BY cache, batch_size")
+    assert [(p["cache"], p["batch_size"]) for p in points] == [
+        (cache, b) for cache in ("fp16", "kivi-k2v2-g32-r32") for b in (1, 2, 4)]
+    for p in points:
+        assert not p["oom"] and p["gen_len"] == 6 and p["prompt_len"] > 0
+        assert p["tokens_per_s"] > 0 and p["decode_tokens_per_s"] > 0 and p["step_ms"] > 0 and p["prefill_s"] > 0
+        assert p["kv_bytes"] > 0 and p["fp16_kv_bytes"] > 0

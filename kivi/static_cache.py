@@ -1,0 +1,283 @@
+"""StaticCache: preallocated KIVI (or 16-bit) buffers for a decode loop that a CUDA graph can capture.
+
+Every buffer is sized at construction for the batch's capacity; per sequence only one count lives on the
+device, ``positions`` (tokens stored before the current step). Every other count follows from it and from
+KIVI's flush rules, so a decode step never asks the host anything:
+
+- keys (groups of G tokens per channel) flush in blocks of KB = R tokens (G when R = 0): before the step
+  that appends position t, the first floor(t / KB) * KB keys are quantized and the rest sit in a residual
+  of KB rows, position i at row i % KB; after the step, a full block (t + 1 ≡ 0 mod KB) is quantized.
+- values (groups of G channels per token) keep the newest R tokens, plus the one just appended, in a ring
+  of R + 1 rows (position i at row i % (R + 1)); after the step, position t - R leaves it and is quantized.
+
+These are KVStream's rules (kivi.stream), so a sequence here holds the codes a KiviCache would hold. The
+prompt is not run here: the engine runs the stock model on it (exact attention) and ``load`` stores the
+keys and values. A decode step calls each layer's ``step``: store the step's token, attend, flush. On CUDA
+the Triton kernels do all three; on the CPU (tests, smoke runs) the kivi/ oracle does, with the same results.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from kivi.attention import attention_over_cache
+from kivi.config import KiviConfig, KiviConfigError
+from kivi.quant import GROUP_DIM, Quantized, codes_per_word, dequantize, quantize
+from kivi.stream import quantize_on_device
+
+
+def static_unsupported(config: KiviConfig) -> str | None:
+    """Why StaticCache cannot hold this KIVI configuration (None when it can)."""
+    for i, layer in [(None, config)] + [(i, config.for_layer(i)) for i in config.layer_overrides]:
+        where = "" if i is None else f" (layer_overrides[{i}])"
+        if layer.sink_tokens:
+            return f"sink_tokens={layer.sink_tokens}: the static decode engine keeps no sink buffers; set sink_tokens: 0{where}"
+        if 16 in (layer.k_bits, layer.v_bits):
+            return f"k_bits/v_bits=16: the static decode engine quantizes both streams; use 2, 4 or 8{where}"
+        if (layer.key_axis, layer.value_axis) != ("channel", "token"):
+            return f"key_axis/value_axis must be KIVI's 'channel'/'token' for the static decode engine{where}"
+        if layer.group_size & (layer.group_size - 1):
+            return f"group_size={layer.group_size}: the static decode engine's kernels need a power of two{where}"
+    return None
+
+
+class StepState:
+    """What every layer of a StaticCache shares: the positions and what a step derives from them once."""
+
+    def __init__(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device, use_kernels: bool):
+        self.batch, self.capacity, self.dtype, self.device, self.use_kernels = batch, capacity, dtype, device, use_kernels
+        self.positions = torch.zeros(batch, dtype=torch.int32, device=device)  # tokens stored before this step
+        self.batch_index = torch.arange(batch, device=device)
+        self._derived: dict = {}
+
+    def advance(self) -> None:
+        self.positions += 1
+        self._derived.clear()
+
+    def lengths(self) -> torch.Tensor:
+        """int32 [B]: tokens attended in this step (the stored ones and the step's own)."""
+        if "lengths" not in self._derived:
+            self._derived["lengths"] = self.positions + 1
+        return self._derived["lengths"]
+
+    def counts(self, key_block: int, window: int) -> torch.Tensor:
+        """int32 [4, B] for kernels.decode_attention: sinks, quantized keys, quantized values, tokens."""
+        key = ("counts", key_block, window)
+        if key not in self._derived:
+            pos = self.positions
+            self._derived[key] = torch.stack([torch.zeros_like(pos), pos // key_block * key_block,
+                                              (pos - window).clamp(min=0), pos + 1])
+        return self._derived[key]
+
+
+class _StaticLayer:
+    def __init__(self, state: StepState):
+        self.state = state
+
+    def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Store the step's key/value [B, Hkv, 1, D] at each sequence's position, attend with query [B, Hq, 1, D],
+        flush. Returns [B, Hq, 1, D]."""
+        return self._attend(query, key[:, :, 0], value[:, :, 0], scaling)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self._buffers())
+
+
+class DenseStaticLayer(_StaticLayer):
+    """Keys and values in the model dtype, [B, Hkv, capacity, D]: the fp16 baseline."""
+
+    def __init__(self, state: StepState, kv_heads: int, head_dim: int):
+        super().__init__(state)
+        shape = (state.batch, kv_heads, state.capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=state.dtype, device=state.device)
+        self.values = torch.zeros_like(self.keys)
+        if state.use_kernels:
+            from kernels.dense_decode import default_num_splits
+
+            self.num_splits = default_num_splits(state.batch, kv_heads, state.capacity, state.device)
+
+    def load(self, rows: slice, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.keys[rows, :, : keys.shape[2]] = keys
+        self.values[rows, :, : keys.shape[2]] = values
+
+    def _attend(self, query, key, value, scaling):
+        pos, index = self.state.positions, self.state.batch_index
+        self.keys[index, :, pos] = key
+        self.values[index, :, pos] = value
+        lengths = self.state.lengths()
+        if self.state.use_kernels:
+            from kernels.dense_decode import dense_decode_attention
+
+            return dense_decode_attention(query, self.keys, self.values, lengths, scaling, self.num_splits)
+        return attention_over_cache(query, self.keys.float(), self.values.float(), lengths, scaling)
+
+    def _buffers(self):
+        return (self.keys, self.values)
+
+
+class KiviStaticLayer(_StaticLayer):
+    """Packed codes, scales and zeros for the whole capacity, a key residual of KB rows, a value ring of R + 1."""
+
+    def __init__(self, state: StepState, config: KiviConfig, kv_heads: int, head_dim: int):
+        super().__init__(state)
+        self.config = config
+        g, r = config.group_size, config.residual_length
+        self.key_block, self.window = r or g, r
+        batch, capacity, dtype, device = state.batch, state.capacity, state.dtype, state.device
+        key_tokens = -(-capacity // self.key_block) * self.key_block
+        kw, vw = codes_per_word(config.k_bits), codes_per_word(config.v_bits)
+        self.keys = Quantized(
+            torch.zeros(batch, kv_heads, key_tokens // kw, head_dim, dtype=torch.int32, device=device),
+            torch.zeros(batch, kv_heads, key_tokens // g, head_dim, dtype=dtype, device=device),
+            torch.zeros(batch, kv_heads, key_tokens // g, head_dim, dtype=dtype, device=device),
+        )
+        self.values = Quantized(
+            torch.zeros(batch, kv_heads, capacity, head_dim // vw, dtype=torch.int32, device=device),
+            torch.zeros(batch, kv_heads, capacity, head_dim // g, dtype=dtype, device=device),
+            torch.zeros(batch, kv_heads, capacity, head_dim // g, dtype=dtype, device=device),
+        )
+        self.key_resid = torch.zeros(batch, kv_heads, self.key_block, head_dim, dtype=dtype, device=device)
+        self.value_ring = torch.zeros(batch, kv_heads, self.window + 1, head_dim, dtype=dtype, device=device)
+        if state.use_kernels:
+            from kernels.decode_attention import default_num_splits
+
+            self.no_sinks = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
+            self.num_splits = default_num_splits(batch, kv_heads, capacity, config.k_bits, g, device)
+
+    def load(self, rows: slice, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Store prompts: keys/values [b, Hkv, T, D] right-padded, sequence j real at [0, lengths[j]).
+
+        Whole key blocks and every value are quantized at once; a group that mixes a sequence's tail with
+        padding is never read (it lies past that sequence's quantized keys) and is overwritten by its flush.
+        """
+        cfg, kb, w = self.config, self.key_block, self.window
+        tokens = keys.shape[2]
+        whole = tokens // kb * kb
+        if whole:
+            q = quantize_on_device(keys[:, :, :whole], cfg.k_bits, cfg.group_size, "channel")
+            for buf, part in zip(self.keys, q):
+                buf[rows, :, : part.shape[2]] = part
+        q = quantize_on_device(values, cfg.v_bits, cfg.group_size, "token")
+        for buf, part in zip(self.values, q):
+            buf[rows, :, :tokens] = part
+        seq = torch.arange(len(lengths), device=keys.device)[:, None]
+        # key residual row s <- position n_qk + s; value ring row s <- the position of the last R + 1 with i % (R + 1) = s
+        key_pos = lengths[:, None] // kb * kb + torch.arange(kb, device=keys.device)
+        first = lengths[:, None] - w - 1
+        ring_pos = first + (torch.arange(w + 1, device=keys.device) - first) % (w + 1)
+        self.key_resid[rows] = keys[seq, :, key_pos.clamp(0, tokens - 1)].transpose(1, 2)
+        self.value_ring[rows] = values[seq, :, ring_pos.clamp(0, tokens - 1)].transpose(1, 2)
+
+    def _attend(self, query, key, value, scaling):
+        kb, w, index = self.key_block, self.window, self.state.batch_index
+        pos = self.state.positions
+        self.key_resid[index, :, pos % kb] = key
+        self.value_ring[index, :, pos % (w + 1)] = value
+        if self.state.use_kernels:
+            out = self._attend_kernels(query, scaling)
+        else:
+            out = attention_over_cache(query, *self._materialize(), self.state.lengths(), scaling)
+            self._flush_oracle()
+        return out
+
+    def _attend_kernels(self, query, scaling):
+        from kernels.decode_attention import decode_attention_tensors
+        from kernels.quantize import flush_step
+
+        cfg, pos = self.config, self.state.positions
+        counts = self.state.counts(self.key_block, self.window)
+        k, v = self.keys, self.values
+        out = decode_attention_tensors(
+            query, self.no_sinks, k.codes, k.scale, k.zero, self.key_resid,
+            self.no_sinks, v.codes, v.scale, v.zero, self.value_ring, counts,
+            cfg.k_bits, cfg.v_bits, cfg.group_size, scaling, self.num_splits, v_ring=True,
+        )
+        flush_step(self.key_resid, self.value_ring, k, v, pos, cfg.k_bits, cfg.v_bits, cfg.group_size)
+        return out
+
+    def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored token of every sequence as attention reads it: float32 [B, Hkv, max length, D]."""
+        cfg, kb, w = self.config, self.key_block, self.window
+        lengths = self.state.lengths()
+        i = torch.arange(int(lengths.max()), device=lengths.device)
+        t = (lengths - 1)[:, None, None, None]  # the position this step appended
+        from_resid = i[None, None, :, None] >= t // kb * kb  # keys past the last full block
+        from_ring = i[None, None, :, None] >= (t - w).clamp(min=0)  # values inside the window
+        deq_k = dequantize(self.keys, cfg.k_bits, cfg.group_size, GROUP_DIM["channel"])[:, :, : len(i)]
+        deq_v = dequantize(self.values, cfg.v_bits, cfg.group_size, GROUP_DIM["token"])[:, :, : len(i)]
+        keys = torch.where(from_resid, self.key_resid[:, :, i % kb].float(), deq_k)
+        values = torch.where(from_ring, self.value_ring[:, :, i % (w + 1)].float(), deq_v)
+        return keys, values
+
+    def _flush_oracle(self) -> None:
+        cfg, kb, w, g = self.config, self.key_block, self.window, self.config.group_size
+        kw = codes_per_word(cfg.k_bits)
+        pos = self.state.positions.long()
+        for b in ((pos + 1) % kb == 0).nonzero()[:, 0].tolist():  # a full key block: rare, one sequence at a time
+            q = quantize(self.key_resid[b : b + 1], cfg.k_bits, g, GROUP_DIM["channel"])
+            first = int(pos[b]) + 1 - kb
+            for buf, part, row in zip(self.keys, q, (first // kw, first // g, first // g)):
+                buf[b, :, row : row + part.shape[2]] = part[0]
+        leaving = (pos >= w).nonzero()[:, 0]  # each of these sequences quantizes the value at position t - R
+        if len(leaving):
+            i = pos[leaving] - w
+            q = quantize(self.value_ring[leaving, :, i % (w + 1)][:, :, None], cfg.v_bits, g, GROUP_DIM["token"])
+            for buf, part in zip(self.values, q):
+                buf[leaving, :, i] = part[:, :, 0]
+
+    def _buffers(self):
+        return (*self.keys, *self.values, self.key_resid, self.value_ring)
+
+
+class StaticCache:
+    """A static cache for every layer: KIVI when ``kivi`` is given, else the model dtype (the fp16 baseline).
+
+    ``use_kernels`` (default: on CUDA) runs the Triton kernels, which a CUDA graph can capture; off, the
+    kivi/ oracle serves (it reads counts on the host).
+    """
+
+    def __init__(self, model_config: PretrainedConfig, batch: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str, kivi: KiviConfig | None = None, use_kernels: bool | None = None):
+        text = model_config.get_text_config(decoder=True)
+        if kivi is not None and (reason := static_unsupported(kivi)):
+            raise KiviConfigError(f"KiviConfig: {reason}")
+        device = torch.device(device)
+        self.state = StepState(batch, capacity, dtype, device, device.type == "cuda" if use_kernels is None else use_kernels)
+        self.kivi = kivi
+        kv_heads = text.num_key_value_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.layers = [
+            DenseStaticLayer(self.state, kv_heads, head_dim) if kivi is None
+            else KiviStaticLayer(self.state, kivi.for_layer(i), kv_heads, head_dim)
+            for i in range(text.num_hidden_layers)
+        ]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.state.positions
+
+    @property
+    def capacity(self) -> int:
+        return self.state.capacity
+
+    @property
+    def use_kernels(self) -> bool:
+        return self.state.use_kernels
+
+    def load(self, rows: slice, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor) -> None:
+        """Store the prompts of sequences ``rows``: per layer (keys, values) [b, Hkv, T, D], right-padded."""
+        lengths = lengths.to(device=self.state.device, dtype=torch.int32)
+        if int(lengths.max()) > self.capacity:
+            raise ValueError(f"StaticCache: a prompt of {int(lengths.max())} tokens exceeds the capacity {self.capacity}")
+        for layer, (keys, values) in zip(self.layers, layer_kv, strict=True):
+            layer.load(rows, keys.to(self.state.dtype), values.to(self.state.dtype), lengths)
+        self.positions[rows] = lengths
+
+    def advance(self) -> None:
+        """End of a decode step: every sequence holds one more token."""
+        self.state.advance()
+
+    def kv_bytes(self) -> int:
+        """Bytes of every cache buffer (allocated for the whole capacity)."""
+        return sum(layer.nbytes() for layer in self.layers)

@@ -1,0 +1,108 @@
+"""Roofline of the throughput sweep's decode steps: ``python -m pipeline.roofline RUN_ID --archive DIR``.
+
+For each cache's best point (highest tokens/s) of a run's sweep, what one decode step must move and compute,
+averaged over the decode: weight bytes (every matrix once), KV bytes (each sequence's stored tokens as the
+attention reads them: codes, scales and zeros of the quantized part, 16-bit residual and window), FLOPs
+(2 per weight per token, plus q.k and p.v). The roofline time is max(bytes / copy bandwidth, FLOPs / peak);
+the measured step over it says how far the implementation is from the hardware. The run's requests are
+rebuilt from its archived config (same data, same tokenizer), so the batch's real lengths are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from kivi import KiviConfig
+from pipeline.config import RunConfig
+from pipeline.models import load_model_config, load_tokenizer
+from pipeline.runner import request_budget
+from pipeline.store import Store
+
+H200_FP16_TFLOPS = 989.0  # dense fp16 tensor-core peak (NVIDIA H200 datasheet)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    weight_bytes: int
+    kv_bytes: float
+    flops: float
+
+
+def kv_bytes_per_token_head(context: int, kivi: KiviConfig | None, head_dim: int, item: int = 2) -> float:
+    """Bytes the decode attention reads for one KV head of a sequence holding ``context`` tokens (this step's included)."""
+    if kivi is None:
+        return 2 * context * head_dim * item
+    t = context - 1  # the position this step appended
+    key_block, g = kivi.residual_length or kivi.group_size, kivi.group_size
+    n_qk, n_qv = t // key_block * key_block, max(t - kivi.residual_length, 0)
+    quantized = lambda n, bits: n * head_dim * (bits / 8 + 2 * item / g)  # noqa: E731  codes + scale + zero
+    full = (context - n_qk + context - n_qv) * head_dim * item
+    return quantized(n_qk, kivi.k_bits) + quantized(n_qv, kivi.v_bits) + full
+
+
+def step_cost(model_config: PretrainedConfig, kivi: KiviConfig | None, prompt_lens: list[int], gen_len: int,
+              item: int = 2) -> StepCost:
+    """Mean cost of the gen_len - 1 decode steps of a batch (each sequence decodes gen_len tokens), 16-bit
+    weights and activations (``item`` bytes)."""
+    text = model_config.get_text_config(decoder=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    weights = sum(p.numel() for p in model.parameters())
+    matmul_weights = weights - text.vocab_size * text.hidden_size  # the embedding is a lookup
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    layers, kv_heads, q_heads = text.num_hidden_layers, text.num_key_value_heads, text.num_attention_heads
+    steps = range(1, gen_len)
+    contexts = [p + s for p in prompt_lens for s in steps]  # stored tokens + this step's
+    kv = layers * kv_heads * sum(kv_bytes_per_token_head(n, kivi, head_dim, item) for n in contexts) / len(steps)
+    attention_flops = 4 * layers * q_heads * head_dim * sum(contexts) / len(steps)
+    return StepCost(item * weights, kv, 2 * matmul_weights * len(prompt_lens) + attention_flops)
+
+
+def best_points(run_id: str, archive: str) -> tuple[RunConfig, list[dict]]:
+    store = Store(archive)
+    run = store.records("SELECT config_yaml FROM runs WHERE run_id = $1", [run_id])
+    if not run:
+        raise SystemExit(f"no run {run_id} in {archive}")
+    points = store.records("""
+        SELECT * FROM perf WHERE run_id = $1 AND NOT oom
+        QUALIFY row_number() OVER (PARTITION BY workload, cache ORDER BY tokens_per_s DESC) = 1
+        ORDER BY workload, cache""", [run_id])
+    raw = yaml.safe_load(run[0]["config_yaml"])
+    raw["data_dir"] = raw.get("data_dir") or os.environ.get("KIVI_DATA_DIR")  # as load_config reads it
+    return RunConfig(**raw), points
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_id")
+    parser.add_argument("--archive", default="archive")
+    parser.add_argument("--tokenizer", help="override the config's tokenizer spec (e.g. a local folder)")
+    parser.add_argument("--copy-tbps", type=float, required=True, help="device-to-device copy bandwidth measured on the GPU")
+    parser.add_argument("--peak-tflops", type=float, default=H200_FP16_TFLOPS)
+    args = parser.parse_args(argv)
+    config, points = best_points(args.run_id, args.archive)
+    tokenizer = load_tokenizer(args.tokenizer or config.model.tokenizer or config.model.spec)
+    model_config = load_model_config(config.model.spec)
+    caches = config.kivi_configs()
+    print(f"{'cache':20} {'B':>5} {'step ms':>8} {'weights GB':>10} {'KV GB':>7} {'TFLOP':>6} {'bytes ms':>8} "
+          f"{'FLOP ms':>8} {'roofline':>8} {'measured/roofline':>17}")
+    for point in points:
+        workload = config.build_workloads()[point["workload"]]
+        requests = workload.requests(tokenizer, request_budget(config, tokenizer))[: point["batch_size"]]
+        cost = step_cost(model_config, caches[point["cache"]], [r.meta["prompt_tokens"] for r in requests], point["gen_len"])
+        bytes_ms = (cost.weight_bytes + cost.kv_bytes) / (args.copy_tbps * 1e9)
+        flop_ms = cost.flops / (args.peak_tflops * 1e9)
+        roof = max(bytes_ms, flop_ms)
+        print(f"{point['cache']:20} {point['batch_size']:5d} {point['step_ms']:8.2f} {cost.weight_bytes / 1e9:10.2f} "
+              f"{cost.kv_bytes / 1e9:7.2f} {cost.flops / 1e12:6.2f} {bytes_ms:8.2f} {flop_ms:8.2f} {roof:8.2f} "
+              f"{point['step_ms'] / roof:17.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""StaticCache decode steps on the kernels (dense decode, KIVI decode over the value ring, the flush kernel)
+against the same steps on the kivi/ oracle, from prompts of ragged lengths through several flushes."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kernels.data import outlier_kv, relative_error
+from kernels.dense_decode import dense_decode_attention
+from kivi.attention import attention_over_cache
+from kivi.config import KiviConfig
+from kivi.static_cache import StaticCache
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = 1e-3
+LENGTHS = [61, 30, 95]  # the first key flush comes at a different step for each sequence
+STEPS = 4
+CACHES = {
+    "fp16": None,
+    "kivi-2 G32 R32": KiviConfig(group_size=32, residual_length=32),
+    "k4 v2 G16 R0": KiviConfig(k_bits=4, v_bits=2, group_size=16, residual_length=0),
+}
+HEADS = {"MHA D64": (2, 2, 64), "GQA-3 D64 (SmolLM2)": (6, 2, 64)}
+
+
+def twin_caches(kivi, heads, gen):
+    """Two StaticCaches holding the same prompts: one on the kernels, one on the oracle."""
+    q_heads, kv_heads, dim = heads
+    config = LlamaConfig(hidden_size=q_heads * dim, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
+                         head_dim=dim, num_hidden_layers=1, intermediate_size=16, vocab_size=16)
+    # Right-padded prompts; the padding is random, so reading it would show.
+    keys, values = outlier_kv(len(LENGTHS), kv_heads, max(LENGTHS), dim, torch.float16, DEVICE, gen)
+    lengths = torch.tensor(LENGTHS)
+    caches = []
+    for use_kernels in (True, False):
+        cache = StaticCache(config, len(LENGTHS), max(LENGTHS) + STEPS, torch.float16, DEVICE, kivi, use_kernels)
+        cache.load(slice(0, len(LENGTHS)), [(keys, values)], lengths)
+        caches.append(cache)
+    return caches
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("name", list(CACHES), ids=list(CACHES))
+def test_static_steps_on_kernels_match_the_oracle(name, heads, num_splits):
+    gen = torch.Generator(device=DEVICE).manual_seed(len(name) * 7 + len(heads))
+    kernels, oracle = twin_caches(CACHES[name], HEADS[heads], gen)
+    kernels.layers[0].num_splits = num_splits
+    q_heads, kv_heads, dim = HEADS[heads]
+    for _ in range(STEPS):
+        query = torch.randn(len(LENGTHS), q_heads, 1, dim, generator=gen, device=DEVICE).half()
+        key, value = outlier_kv(len(LENGTHS), kv_heads, 1, dim, torch.float16, DEVICE, gen)
+        outs = []
+        for cache in (kernels, oracle):
+            outs.append(cache.layers[0].step(query, key, value, dim**-0.5))
+            cache.advance()
+        assert not outs[0].isnan().any()
+        assert relative_error(*outs) <= TOLERANCE
+    assert torch.equal(kernels.positions, oracle.positions)
+    # The flush kernel wrote what the oracle's flush wrote: codes, scales, zeros, residuals.
+    for got, want in zip(kernels.layers[0]._buffers(), oracle.layers[0]._buffers(), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_dense_decode_reads_only_each_sequences_tokens(num_splits):
+    gen = torch.Generator(device=DEVICE).manual_seed(num_splits)
+    lengths = torch.tensor([200, 1, 77], dtype=torch.int32, device=DEVICE)
+    keys, values = outlier_kv(3, 2, 256, 64, torch.float16, DEVICE, gen)
+    query = torch.randn(3, 4, 1, 64, generator=gen, device=DEVICE).half()
+    out = torch.full(query.shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    dense_decode_attention(query, keys, values, lengths, 0.125, num_splits, out=out)
+    ref = attention_over_cache(query.float(), keys.float(), values.float(), lengths, 0.125)
+    assert relative_error(out, ref) <= TOLERANCE
+
+
+def test_static_cache_rejects_what_it_cannot_hold():
+    config = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                         num_hidden_layers=2, intermediate_size=16, vocab_size=16)
+    with pytest.raises(ValueError, match="sink_tokens=4.*set sink_tokens: 0"):
+        StaticCache(config, 1, 64, torch.float16, DEVICE, KiviConfig(sink_tokens=4))
+    with pytest.raises(ValueError, match=r"k_bits/v_bits=16.*layer_overrides\[1\]"):
+        StaticCache(config, 1, 64, torch.float16, DEVICE, KiviConfig(layer_overrides={1: {"k_bits": 16}}))

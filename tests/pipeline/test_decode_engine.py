@@ -1,0 +1,88 @@
+"""The static decode engine gives transformers.generate's greedy tokens, fp16 cache and KIVI, ragged batches.
+
+generate runs each prompt alone with EOS disabled (the engine ignores EOS); the engine runs them together.
+On the CPU the engine's steps run eagerly on the kivi/ oracle; the GPU run (CUDA graph, Triton kernels) is
+`python -m pipeline.bench_decode --check-model` (BENCHMARKS.md).
+"""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from kivi import KiviCache, KiviConfig, enable_kivi
+from pipeline.decode_engine import DecodeEngine, UnsupportedModelError, _micro_batches
+
+KIVI_CACHES = [None, KiviConfig(residual_length=32), KiviConfig(k_bits=4, v_bits=2, group_size=16, residual_length=0)]
+CACHE_IDS = ["fp16", "kivi-2 R32", "k4v2 G16 R0"]
+
+
+def tiny(model_cls, config_cls, heads, kv_heads, head_dim):
+    config = config_cls(vocab_size=512, hidden_size=heads * head_dim, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                        initializer_range=0.2)  # peaky logits: no near-ties in greedy decoding
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def generate_alone(model, prompt: list[int], new_tokens: int, kivi: KiviConfig | None) -> torch.Tensor:
+    ids = torch.tensor([prompt])
+    cache = None if kivi is None else KiviCache(model.config, kivi)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+                         max_new_tokens=new_tokens, pad_token_id=0)
+    return out[0, len(prompt):]
+
+
+def assert_engine_matches_generate(model, prompts, new_tokens, kivi):
+    engine = DecodeEngine(model, prefill_tokens=160)  # several prefill micro-batches
+    run = engine.run(prompts, new_tokens, kivi)
+    assert run.tokens.shape == (len(prompts), new_tokens)
+    enable_kivi(model)
+    for prompt, got in zip(prompts, run.tokens):
+        assert torch.equal(got, generate_alone(model, prompt, new_tokens, kivi)), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("kivi", KIVI_CACHES, ids=CACHE_IDS)
+@pytest.mark.parametrize("layout", ["llama GQA", "qwen2 (qkv bias)"])
+def test_engine_gives_generates_tokens_on_a_ragged_batch(layout, kivi):
+    model = tiny(LlamaForCausalLM, LlamaConfig, 4, 2, 64) if layout.startswith("llama") else tiny(Qwen2ForCausalLM, Qwen2Config, 4, 1, 64)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (45, 7, 70)]
+    assert_engine_matches_generate(model, prompts, 40, kivi)  # past the first flushes of every sequence
+
+
+def test_prefill_micro_batches_stay_within_the_token_budget():
+    lengths = [50, 10, 90, 90, 5, 200, 1]
+    slices = list(_micro_batches(lengths, 180))
+    assert [(s.start, s.stop) for s in slices] == [(0, 2), (2, 4), (4, 5), (5, 6), (6, 7)]
+    assert all(max(lengths[s]) * (s.stop - s.start) <= 180 or s.stop - s.start == 1 for s in slices)
+
+
+def test_engine_refuses_models_it_cannot_drive():
+    model = tiny(LlamaForCausalLM, LlamaConfig, 4, 2, 64)
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(UnsupportedModelError, match="full-attention layers only"):
+        DecodeEngine(model)
+    model.config.layer_types = None
+    model.model.layers[0].self_attn.q_norm = torch.nn.Identity()  # Qwen3's layout
+    with pytest.raises(UnsupportedModelError, match=r"unexpected \['self_attn.q_norm'\]"):
+        DecodeEngine(model)
+
+
+def test_compiled_steps_give_the_eager_tokens():
+    """On CUDA the engine compiles the parts between attentions; here on the CPU, against the same steps eager."""
+    model = tiny(LlamaForCausalLM, LlamaConfig, 4, 2, 64)
+    prompts = [list(range(1, 30)), list(range(5, 12))]
+    eager = DecodeEngine(model, compile_steps=False).run(prompts, 12, None).tokens
+    assert torch.equal(DecodeEngine(model, compile_steps=True).run(prompts, 12, None).tokens, eager)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kivi", KIVI_CACHES[:2], ids=CACHE_IDS[:2])
+def test_on_smollm2_engine_gives_generates_64_tokens(smollm2, data_dir, kivi):
+    model, tokenizer = smollm2
+    model.generation_config.eos_token_id = None
+    essay = sorted((data_dir / "niah" / "PaulGrahamEssays").glob("*.txt"))[0].read_text()
+    text = tokenizer(essay, add_special_tokens=False).input_ids
+    assert_engine_matches_generate(model, [text[:150], text[:40], text[:300]], 64, kivi)
