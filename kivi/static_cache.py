@@ -61,6 +61,13 @@ class StepState:
             self._derived["lengths"] = self.positions + 1
         return self._derived["lengths"]
 
+    def slots(self, key_block: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of this step's token in the key residual and in the value ring, [B] each."""
+        key = ("slots", key_block, window)
+        if key not in self._derived:
+            self._derived[key] = (self.positions % key_block, self.positions % (window + 1))
+        return self._derived[key]
+
     def counts(self, key_block: int, window: int) -> torch.Tensor:
         """int32 [4, B] for kernels.decode_attention: sinks, quantized keys, quantized values, tokens."""
         key = ("counts", key_block, window)
@@ -170,10 +177,10 @@ class KiviStaticLayer(_StaticLayer):
         self.value_ring[rows] = values[seq, :, ring_pos.clamp(0, tokens - 1)].transpose(1, 2)
 
     def _attend(self, query, key, value, scaling):
-        kb, w, index = self.key_block, self.window, self.state.batch_index
-        pos = self.state.positions
-        self.key_resid[index, :, pos % kb] = key
-        self.value_ring[index, :, pos % (w + 1)] = value
+        index = self.state.batch_index
+        key_slot, value_slot = self.state.slots(self.key_block, self.window)
+        self.key_resid[index, :, key_slot] = key
+        self.value_ring[index, :, value_slot] = value
         if self.state.use_kernels:
             out = self._attend_kernels(query, scaling)
         else:
@@ -199,11 +206,10 @@ class KiviStaticLayer(_StaticLayer):
     def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored token of every sequence as attention reads it: float32 [B, Hkv, max length, D]."""
         cfg, kb, w = self.config, self.key_block, self.window
-        lengths = self.state.lengths()
+        _, n_qk, n_qv, lengths = self.state.counts(kb, w)[:, :, None, None, None]
         i = torch.arange(int(lengths.max()), device=lengths.device)
-        t = (lengths - 1)[:, None, None, None]  # the position this step appended
-        from_resid = i[None, None, :, None] >= t // kb * kb  # keys past the last full block
-        from_ring = i[None, None, :, None] >= (t - w).clamp(min=0)  # values inside the window
+        from_resid = i[:, None] >= n_qk  # [B, 1, L, 1]: keys past the last full block
+        from_ring = i[:, None] >= n_qv  # values inside the window
         deq_k = dequantize(self.keys, cfg.k_bits, cfg.group_size, GROUP_DIM["channel"])[:, :, : len(i)]
         deq_v = dequantize(self.values, cfg.v_bits, cfg.group_size, GROUP_DIM["token"])[:, :, : len(i)]
         keys = torch.where(from_resid, self.key_resid[:, :, i % kb].float(), deq_k)

@@ -63,10 +63,9 @@ class DecodeEngine:
     def __init__(self, model: PreTrainedModel, prefill_tokens: int = 4096, cuda_graph: bool = True,
                  compile_steps: bool | None = None):
         """``compile_steps`` (default: on CUDA) compiles the parts between attentions."""
-        _check_supported(model)
+        self.rotate = _check_supported(model)
         self.model, self.base = model, model.get_decoder()
         self.layers = list(self.base.layers)
-        self.rotate = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.prefill_tokens, self.cuda_graph = prefill_tokens, cuda_graph
         self.device, self.dtype = model.device, model.dtype
         compile_steps = self.device.type == "cuda" if compile_steps is None else compile_steps
@@ -160,7 +159,8 @@ class DecodeEngine:
             torch.cuda.synchronize(self.device)
 
 
-def _check_supported(model: PreTrainedModel) -> None:
+def _check_supported(model: PreTrainedModel):
+    """Refuse a model whose layout the step does not follow; returns its module's apply_rotary_pos_emb."""
     base = model.get_decoder()
     missing = [n for n in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, n)]
     missing += [] if hasattr(model, "lm_head") else ["lm_head"]
@@ -178,6 +178,7 @@ def _check_supported(model: PreTrainedModel) -> None:
     layer_types = set(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"}:
         raise UnsupportedModelError(f"{type(model).__name__}: the decode engine supports full-attention layers only, not {sorted(layer_types)}")
+    return rotate
 
 
 # The step between two attentions, in the modules' own order (transformers' LlamaDecoderLayer, LlamaAttention).
