@@ -115,11 +115,16 @@ class KiviCache(Cache):
         return sum(layer.fp16_kv_bytes() for layer in self.layers)
 
 
+def model_head_dim(text: PretrainedConfig) -> int:
+    """Per-head size of a decoder's text config (``head_dim`` where the config names it)."""
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
 def _check_fits_model(config: KiviConfig, text: PretrainedConfig) -> None:
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"}:
         raise KiviConfigError(f"KiviCache supports full-attention layers only; this model has {sorted(layer_types)}")
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    head_dim = model_head_dim(text)
     for layer in config.layer_overrides:
         if layer >= text.num_hidden_layers:
             raise KiviConfigError(

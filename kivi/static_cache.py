@@ -22,6 +22,7 @@ import torch
 from transformers import PretrainedConfig
 
 from kivi.attention import attention_over_cache
+from kivi.cache import model_head_dim
 from kivi.config import KiviConfig, KiviConfigError
 from kivi.quant import GROUP_DIM, Quantized, codes_per_word, dequantize, quantize
 from kivi.stream import quantize_on_device
@@ -252,7 +253,7 @@ class StaticCache:
         self.state = StepState(batch, capacity, dtype, device, device.type == "cuda" if use_kernels is None else use_kernels)
         self.kivi = kivi
         kv_heads = text.num_key_value_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        head_dim = model_head_dim(text)
         self.layers = [
             DenseStaticLayer(self.state, kv_heads, head_dim) if kivi is None
             else KiviStaticLayer(self.state, kivi.for_layer(i), kv_heads, head_dim)

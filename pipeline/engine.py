@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kivi import KiviCache, KiviConfig, enable_kivi
+from kivi.cache import model_head_dim
 from kivi.fidelity import chunked_logprobs, compare
 from pipeline.decode_engine import DecodeEngine
 from pipeline.workloads import Request
@@ -31,8 +32,7 @@ def new_cache(model: PreTrainedModel, kivi: KiviConfig | None):
 def fp16_bytes(model: PreTrainedModel, tokens: int) -> int:
     """Bytes a 16-bit cache needs for ``tokens`` real tokens: the common yardstick of every cache's kv_bytes."""
     cfg = model.config.get_text_config(decoder=True)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * tokens
+    return 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * model_head_dim(cfg) * tokens
 
 
 class Engine:

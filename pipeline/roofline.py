@@ -19,6 +19,7 @@ import yaml
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from kivi import KiviConfig
+from kivi.cache import model_head_dim
 from pipeline.config import RunConfig
 from pipeline.models import load_model_config, load_tokenizer
 from pipeline.runner import request_budget
@@ -55,7 +56,7 @@ def step_cost(model_config: PretrainedConfig, kivi: KiviConfig | None, prompt_le
         model = AutoModelForCausalLM.from_config(model_config)
     weights = sum(p.numel() for p in model.parameters())
     matmul_weights = weights - text.vocab_size * text.hidden_size  # the embedding is a lookup
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    head_dim = model_head_dim(text)
     layers, kv_heads, q_heads = text.num_hidden_layers, text.num_key_value_heads, text.num_attention_heads
     steps = range(1, gen_len)
     contexts = [p + s for p in prompt_lens for s in steps]  # stored tokens + this step's
@@ -89,13 +90,14 @@ def main(argv=None) -> None:
     config, points = best_points(args.run_id, args.archive)
     tokenizer = load_tokenizer(args.tokenizer or config.model.tokenizer or config.model.spec)
     model_config = load_model_config(config.model.spec)
-    caches = config.kivi_configs()
+    caches, workloads = config.kivi_configs(), config.build_workloads()
+    requests = {name: w.requests(tokenizer, request_budget(config, tokenizer)) for name, w in workloads.items()
+                if w.kind == "throughput"}
     print(f"{'cache':20} {'B':>5} {'step ms':>8} {'weights GB':>10} {'KV GB':>7} {'TFLOP':>6} {'bytes ms':>8} "
           f"{'FLOP ms':>8} {'roofline':>8} {'measured/roofline':>17}")
     for point in points:
-        workload = config.build_workloads()[point["workload"]]
-        requests = workload.requests(tokenizer, request_budget(config, tokenizer))[: point["batch_size"]]
-        cost = step_cost(model_config, caches[point["cache"]], [r.meta["prompt_tokens"] for r in requests], point["gen_len"])
+        batch = requests[point["workload"]][: point["batch_size"]]
+        cost = step_cost(model_config, caches[point["cache"]], [r.meta["prompt_tokens"] for r in batch], point["gen_len"])
         bytes_ms = (cost.weight_bytes + cost.kv_bytes) / (args.copy_tbps * 1e9)
         flop_ms = cost.flops / (args.peak_tflops * 1e9)
         roof = max(bytes_ms, flop_ms)
