@@ -105,7 +105,7 @@ class DenseStaticLayer(_StaticLayer):
 
             self.num_splits = default_num_splits(state.batch, kv_heads, state.capacity, state.device)
 
-    def load(self, rows: slice, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
+    def load(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
         self.keys[rows, :, : keys.shape[2]] = keys
         self.values[rows, :, : keys.shape[2]] = values
 
@@ -153,7 +153,7 @@ class KiviStaticLayer(_StaticLayer):
             self.no_sinks = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
             self.num_splits = default_num_splits(batch, kv_heads, capacity, config.k_bits, g, device)
 
-    def load(self, rows: slice, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
+    def load(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
         """Store prompts: keys/values [b, Hkv, T, D] right-padded, sequence j real at [0, lengths[j]).
 
         Whole key blocks and every value are quantized at once; a group that mixes a sequence's tail with
@@ -272,8 +272,8 @@ class StaticCache:
     def use_kernels(self) -> bool:
         return self.state.use_kernels
 
-    def load(self, rows: slice, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor) -> None:
-        """Store the prompts of sequences ``rows``: per layer (keys, values) [b, Hkv, T, D], right-padded."""
+    def load(self, rows: torch.Tensor, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor) -> None:
+        """Store the prompts of sequences ``rows`` (batch indices): per layer (keys, values) [b, Hkv, T, D], right-padded."""
         lengths = lengths.to(device=self.state.device, dtype=torch.int32)
         if int(lengths.max()) > self.capacity:
             raise ValueError(f"StaticCache: a prompt of {int(lengths.max())} tokens exceeds the capacity {self.capacity}")

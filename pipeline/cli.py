@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_ARCHIVE = os.environ.get("KIVI_ARCHIVE", "archive")
@@ -27,9 +28,10 @@ def run_config(config_path: str, run_id: str | None = None, archive: str | None 
     config = load_config(config_path, **overrides)
     if address:
         config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
+    began = time.perf_counter()
     summary = run(config, Path(config_path).read_text(), run_id, in_process=no_ray)
     print(f"run {summary.run_id}: computed {len(summary.computed)} shard×cache, reused {summary.reused}, "
-          f"sweeps {summary.sweeps}")
+          f"sweeps {summary.sweeps} in {time.perf_counter() - began:.1f} s")
     for placement in summary.placements:
         print(f"  actor {placement}")
     code = gate(summary.run_id, config.gate, str(config.archive), config.baseline_run_id) if config.gate else 0

@@ -90,11 +90,13 @@ def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary):
 
 def _execute(config: RunConfig, ctx: RunContext, shard_jobs, sweep_jobs, summary: RunSummary, progress: bool,
              in_process: bool) -> None:
-    jobs = [("shard", job) for job in shard_jobs] + [("sweep", job) for job in sweep_jobs]
+    # Longest first: a sweep dispatched last would leave the other actors idle while it runs alone.
+    jobs = [("sweep", job) for job in sweep_jobs] + [("shard", job) for job in shard_jobs]
     if not jobs:
         return
     finished = _in_process(ctx, jobs, summary) if in_process else _on_ray(config, ctx, jobs, summary)
-    for kind, job in tqdm(finished, total=len(jobs), desc=f"run {ctx.run_id}", unit="job", disable=not progress):
+    for actor, kind, job in tqdm(finished, total=len(jobs), desc=f"run {ctx.run_id}", unit="job", disable=not progress):
+        summary.placements[actor]["jobs"] += 1
         if kind == "shard":
             summary.computed += [(job[0].workload, job[0].index, cache) for cache in job[1]]
         else:
@@ -104,14 +106,14 @@ def _execute(config: RunConfig, ctx: RunContext, shard_jobs, sweep_jobs, summary
 def _in_process(ctx: RunContext, jobs: list, summary: RunSummary):
     """The same worker without Ray: one model load in this process, jobs in order (hosts without Ray, debugging)."""
     worker = EvalWorker(ctx)
-    summary.placements = [worker.placement()]
+    summary.placements = [worker.placement() | {"jobs": 0}]
     for kind, job in jobs:
         worker.run_shard(*job) if kind == "shard" else worker.run_sweep(*job)
-        yield kind, job
+        yield 0, kind, job
 
 
 def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary):
-    """One actor per GPU (or CPU actors), each loading the model once; yields jobs as they finish."""
+    """One actor per GPU (or CPU actors), each loading the model once; yields (actor, kind, job) as jobs finish."""
     import ray
 
     if not ray.is_initialized():
@@ -127,20 +129,21 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
     if CRASH_ONCE_ENV in os.environ:  # fault injection reaches actors of an already running cluster too
         resources["runtime_env"] = {"env_vars": {CRASH_ONCE_ENV: os.environ[CRASH_ONCE_ENV]}}
     actors = [actor_cls.options(**resources).remote(ctx) for _ in range(n_actors)]
-    summary.placements = ray.get([a.placement.remote() for a in actors])
-    idle, running = list(actors), {}
+    summary.placements = [p | {"jobs": 0} for p in ray.get([a.placement.remote() for a in actors])]
+    idle, running = list(range(n_actors)), {}
     try:
         while jobs or running:
             while jobs and idle:
                 kind, job = jobs.pop(0)
-                actor = idle.pop()
+                index = idle.pop()
+                actor = actors[index]
                 ref = actor.run_shard.remote(*job) if kind == "shard" else actor.run_sweep.remote(*job)
-                running[ref] = (actor, kind, job)
+                running[ref] = (index, kind, job)
             (ref,), _ = ray.wait(list(running), num_returns=1)
-            actor, kind, job = running.pop(ref)
+            index, kind, job = running.pop(ref)
             ray.get(ref)  # re-raises a failure that outlived its retries: the run stops, a rerun resumes
-            idle.append(actor)
-            yield kind, job
+            idle.append(index)
+            yield index, kind, job
     finally:
         for actor in actors:
             ray.kill(actor)

@@ -46,6 +46,10 @@ class EvalWorker:
     def __init__(self, ctx: RunContext):
         self.ctx, cfg = ctx, ctx.config
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # cuDNN's fused attention, PyTorch's first choice for masked fp16 SDPA on Hopper, is not run-to-run
+        # deterministic: the same greedy request decoded twice in one process diverged (BENCHMARKS.md,
+        # "Multi-GPU"). The memory-efficient kernel is, so reruns and actors reproduce the fp16 baseline.
+        torch.backends.cuda.enable_cudnn_sdp(False)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         dtype = default_dtype(self.device) if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
         model, tokenizer = load_model(cfg.model.spec, self.device, dtype)
@@ -62,9 +66,12 @@ class EvalWorker:
             gpu_ids = [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
         except ImportError:
             gpu_ids = []
+        cuda = self.device.type == "cuda"
         return dict(host=socket.gethostname(), pid=os.getpid(), device=str(self.device), ray_gpu_ids=gpu_ids,
                     cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                    gpu_name=self.device_name if self.device.type == "cuda" else None)
+                    gpu_name=self.device_name if cuda else None,
+                    # The physical GPU, whatever index CUDA_VISIBLE_DEVICES gives it in this process.
+                    gpu_uuid=str(torch.cuda.get_device_properties(self.device).uuid) if cuda else None)
 
     def run_shard(self, shard: Shard, caches: list[str]) -> dict[str, int]:
         """Generate, score and write one shard under each named cache; returns rows written per cache."""

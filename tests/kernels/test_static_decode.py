@@ -34,7 +34,7 @@ def twin_caches(kivi, heads, gen):
     caches = []
     for use_kernels in (True, False):
         cache = StaticCache(config, len(LENGTHS), max(LENGTHS) + STEPS, torch.float16, DEVICE, kivi, use_kernels)
-        cache.load(slice(0, len(LENGTHS)), [(keys, values)], lengths)
+        cache.load(torch.arange(len(LENGTHS)), [(keys, values)], lengths)
         caches.append(cache)
     return caches
 

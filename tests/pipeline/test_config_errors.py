@@ -64,7 +64,7 @@ def test_the_cli_fails_fast_with_one_line_and_no_archive(write_config, data_dir,
 
 
 def test_the_cpu_configs_validate_against_the_local_data(data_dir):
-    for name in ("smoke.yaml", "ci.yaml", "sweep-h200.yaml"):
+    for name in ("smoke.yaml", "ci.yaml", "sweep-h200.yaml", "multi-gpu.yaml"):
         config = load_config(CONFIGS / name, data_dir=str(data_dir))
         assert list(config.kivi_configs())[0] == "fp16"
 
@@ -75,3 +75,12 @@ def test_the_gpu_configs_are_well_formed():
         raw = yaml.safe_load((CONFIGS / name).read_text())
         config = RunConfig(**{**raw, "gate": CONFIGS / raw["gate"]})
         assert config.gate_rules().rules and len(config.kivi_configs()) == 3
+
+
+def test_an_actor_needs_no_duckdb(data_dir):
+    # GPU worker images carry Ray and torch; DuckDB is only the driver's (gate, report, queries).
+    code = ("import sys; sys.modules['duckdb'] = None\n"
+            "from pipeline.config import load_config\nimport pipeline.runner, pipeline.worker\n"
+            f"load_config('{CONFIGS / 'smoke.yaml'}', data_dir='{data_dir}')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from pipeline.config import load_config
 from pipeline.runner import run
@@ -45,6 +46,9 @@ def test_a_killed_actor_is_replaced_and_the_archive_has_one_row_per_request_and_
     keys = [(r["request_id"], r["cache"]) for r in rows]
     assert len(keys) == len(set(keys)) == 6 * 2
     assert all(r["error"] is None and r["prediction"] is not None for r in rows)
+    # Both actors took shards: each reports its process and the jobs it finished.
+    assert len({p["pid"] for p in summary.placements}) == 2
+    assert sum(p["jobs"] for p in summary.placements) == 6 and min(p["jobs"] for p in summary.placements) >= 1
     with Store(config.archive) as store:
         (skipped,), = store.query("SELECT skipped FROM runs WHERE run_id = $1", [summary.run_id])[1]
     assert sum(json.loads(skipped)["gsm8k"].values()) == 2
@@ -78,6 +82,7 @@ def test_an_interrupted_run_resumes_only_the_missing_shards_and_equals_an_uninte
     # The same worker without Ray (`kivi-eval run --no-ray`) writes the same rows.
     local = run(config, path.read_text(), run_id="in-process", progress=False, in_process=True)
     assert len(local.computed) == total and local.placements[0]["ray_gpu_ids"] == []
+    assert not torch.backends.cuda.cudnn_sdp_enabled()  # the worker's choice of a deterministic SDPA kernel
     assert _rows(config.archive, "in-process") == _rows(config.archive, "uninterrupted")
 
 

@@ -1,0 +1,29 @@
+"""The engine on a random-weight model whose vocabulary is smaller than its borrowed tokenizer's."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kivi import KiviConfig
+from pipeline.engine import Engine
+from pipeline.models import load_tokenizer
+from pipeline.workloads import Request
+
+
+def test_ids_past_the_vocabulary_fold_into_it_on_every_path():
+    tokenizer = load_tokenizer("smollm2-135m")  # 49,152 ids
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    engine = Engine(LlamaForCausalLM(config).eval(), tokenizer)
+    prompt = "Needles, haystacks and quantized caches"
+    assert max(tokenizer(prompt, add_special_tokens=False).input_ids) >= 512
+    requests = [Request(f"r{i}", "niah", "niah", prompt * (i + 1), 5, "{}") for i in range(2)]
+
+    for kivi in (None, KiviConfig(residual_length=32)):
+        generations = engine.generate(requests, kivi, batch_size=2)
+        assert [g.prompt_tokens for g in generations] == [len(tokenizer(r.prompt).input_ids) for r in requests]
+        point = engine.throughput(requests, kivi, batch_size=2, max_new_tokens=3)
+        assert point["gen_len"] == 3 and point["tokens_per_s"] > 0 and repr(kivi) in engine.warmed
+    fidelity = Request("f", "fidelity", "fidelity", prompt * 8, 0, "{}", meta={"tokens": 48, "chunk": 16})
+    stats = engine.teacher_forced(fidelity, KiviConfig(residual_length=32))
+    assert stats["tokens"] == 48 and 0 <= stats["top1_agreement"] <= 1
