@@ -79,6 +79,10 @@ class GateRule(BaseModel):
     def _no_kivi_cache(self, ctx: _Context, threshold: float) -> Verdict:
         return self._verdict(None, None, threshold, False, f"missing: run {ctx.run_id} has no KIVI cache")
 
+    def _no_baseline(self, ctx: _Context, threshold: float) -> Verdict:
+        return self._verdict(None, None, threshold, False,
+                             f"missing baseline: pass baseline_run_id or set runs.baseline_run_id of {ctx.run_id}")
+
     def check(self, ctx: _Context) -> list[Verdict]:
         raise NotImplementedError
 
@@ -190,8 +194,7 @@ class NoRegressionVsBaseline(GateRule):
     def check(self, ctx: _Context) -> list[Verdict]:
         baseline = ctx.baseline_run_id or _manifest_baseline(ctx)
         if baseline is None:
-            return [self._verdict(None, None, self.tolerance_points, False,
-                                  f"missing baseline: pass baseline_run_id or set runs.baseline_run_id of {ctx.run_id}")]
+            return [self._no_baseline(ctx, self.tolerance_points)]
         metrics = ctx.store.records("SELECT *, NULL AS task FROM baseline_deltas($1, $2)", [ctx.run_id, baseline])
         metrics += ctx.store.records("SELECT * FROM baseline_task_deltas($1, $2)", [ctx.run_id, baseline])
         metrics = [m for m in metrics if self.workload in (None, m["workload"]) and self.cache in (None, m["cache"])]
@@ -226,6 +229,42 @@ class NoRegressionVsBaseline(GateRule):
             if over:
                 detail += f"; over tolerance: {', '.join(over[:_SHOWN])}"
         return self._verdict(cache, worst, self.tolerance_points, passed, detail, baseline)
+
+
+@_register
+class SameOutputsAsBaseline(GateRule):
+    """Every baseline request has the same output in the candidate: prediction, score and error. For changes that
+    must not move a token: more GPUs or actors, a Ray, driver or library upgrade, a bit-exact kernel rewrite."""
+
+    kind: Literal["same_outputs_as_baseline"]
+    workload: str | None = Field(None, description="omitted: every workload of the baseline")
+    cache: str | None = Field(None, description="omitted: every cache of the baseline, fp16 included")
+
+    def check(self, ctx: _Context) -> list[Verdict]:
+        baseline = ctx.baseline_run_id or _manifest_baseline(ctx)
+        if baseline is None:
+            return [self._no_baseline(ctx, 0.0)]
+        rows = ctx.store.records(
+            """SELECT b.cache, b.workload || '/' || b.task || '/' || b.request_id AS request, c.request_id IS NULL AS missing,
+                      c.prediction IS DISTINCT FROM b.prediction OR c.score IS DISTINCT FROM b.score
+                      OR c.error IS DISTINCT FROM b.error AS differs
+               FROM results b LEFT JOIN results c ON c.run_id = $1 AND c.workload = b.workload AND c.task = b.task
+                    AND c.request_id = b.request_id AND c.cache = b.cache
+               WHERE b.run_id = $2 AND ($3::VARCHAR IS NULL OR b.workload = $3) AND ($4::VARCHAR IS NULL OR b.cache = $4)
+               ORDER BY ALL""",
+            [ctx.run_id, baseline, self.workload, self.cache])
+        if not rows:
+            return [self._verdict(self.cache, None, 0.0, False, f"missing: baseline run {baseline} has no results to compare",
+                                  baseline)]
+        verdicts = []
+        for cache in sorted({r["cache"] for r in rows}):
+            mine = [r for r in rows if r["cache"] == cache]
+            bad = [r["request"] + (" missing" if r["missing"] else "") for r in mine if r["differs"]]
+            detail = f"{len(bad)} of {len(mine)} baseline requests differ"
+            if bad:
+                detail += ": " + ", ".join(bad[:_SHOWN]) + (", …" if len(bad) > _SHOWN else "")
+            verdicts.append(self._verdict(cache, float(len(bad)), 0.0, not bad, detail, baseline))
+        return verdicts
 
 
 def _label(metric: Mapping[str, Any]) -> str:

@@ -37,7 +37,7 @@ def store(shared_archive: Path) -> Store:
         yield s
 
 
-@pytest.mark.parametrize("name", ["nightly", "canary", "smoke"])
+@pytest.mark.parametrize("name", ["nightly", "canary", "smoke", "reproducible"])
 def test_the_example_gate_files_load(name: str) -> None:
     assert load_gate(REPO / "configs" / "gates" / f"{name}.yaml").rules
 
@@ -176,3 +176,25 @@ def test_the_canary_fails_closed_when_the_candidate_answered_fewer_requests_than
         verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "tolerance_points": 100}))
     assert outcome(verdicts) == {("r0", FP16): False, ("r0", K2): True, ("r0", K4): True}
     assert next(v.detail for v in verdicts if v.cache == FP16).startswith("incomplete in candidate: gsm8k (10 of 20 requests)")
+
+
+def test_same_outputs_fails_each_cache_with_a_changed_request_and_names_them(store: Store) -> None:
+    verdicts = evaluate(store, "canary-b", rules({"kind": "same_outputs_as_baseline"}))
+    assert outcome(verdicts) == {("r0", FP16): True, ("r0", K2): False, ("r0", K4): True}
+    k2 = next(v for v in verdicts if v.cache == K2)
+    # 20 gsm8k + 10 LongBench + 9 NIAH requests; kivi-2 of canary-b answers g05 (an error in nightly-a) and scores
+    # two LongBench requests differently.
+    assert k2.observed == 3 and k2.detail.startswith("3 of 39 baseline requests differ: gsm8k/gsm8k/g05, ")
+    assert "longbench/gov_report/gov_report-1" in k2.detail and "longbench/narrativeqa/narrativeqa-3" in k2.detail
+    assert next(v for v in verdicts if v.cache == FP16).detail == "0 of 39 baseline requests differ"
+
+
+def test_same_outputs_counts_a_request_missing_from_the_candidate_and_filters_by_workload(archive: Path) -> None:
+    (archive / "results/run_id=canary-b/workload=gsm8k/cache=fp16/shard-00001.parquet").unlink()
+    with Store(archive) as store:
+        gsm8k = evaluate(store, "canary-b", rules({"kind": "same_outputs_as_baseline", "workload": "gsm8k", "cache": FP16}))
+        niah = evaluate(store, "canary-b", rules({"kind": "same_outputs_as_baseline", "workload": "niah"}))
+        alone = evaluate(store, "nightly-a", rules({"kind": "same_outputs_as_baseline"}))
+    assert [(v.cache, v.observed) for v in gsm8k] == [(FP16, 10.0)] and "gsm8k/gsm8k/g10 missing" in gsm8k[0].detail
+    assert all(v.passed for v in niah) and len(niah) == 3
+    assert not alone[0].passed and alone[0].detail.startswith("missing baseline")
