@@ -98,11 +98,12 @@ RUNS = TableSpec(
         ("started_at", _TS), ("finished_at", _TS),
         ("versions", pa.string()),  # JSON: torch, transformers, triton, kernel hash
         ("skipped", pa.string()),  # JSON: {workload: {reason: count}} of malformed records left out
+        ("placements", pa.string()),  # JSON: per actor host, pid, device, Ray GPU ids, GPU UUID, jobs finished
     ]),
     partitions=("run_id",),
     required=("run_id", "kind", "status", "started_at"),
     glob="runs/*/run.parquet",
-    json_columns=("versions", "skipped"),
+    json_columns=("versions", "skipped", "placements"),
 )
 
 VERDICTS = TableSpec(
@@ -146,6 +147,9 @@ def read_table(path: Path, spec: TableSpec) -> pa.Table:
     parts = dict(p.split("=", 1) for p in path.parent.parts if "=" in p)
     for name in spec.partitions:
         table = table.append_column(name, pa.array([parts[name]] * table.num_rows, pa.string()))
+    for field in spec.schema:  # a column added after the file was written reads as null
+        if field.name not in table.column_names:
+            table = table.append_column(field.name, pa.nulls(table.num_rows, field.type))
     return table.select(spec.schema.names).cast(spec.schema)
 
 
@@ -249,8 +253,9 @@ class ArchiveWriter:
         *,
         finished_at: dt.datetime | None = None,
         skipped: dict[str, dict[str, int]] | None = None,
+        placements: list[dict[str, Any]] | None = None,
     ) -> Path:
-        """Set the status; a final one stamps finished_at (now unless given); skipped replaces the counts."""
+        """Set the status; a final one stamps finished_at (now unless given); skipped and placements replace theirs."""
         row = self.read_run()
         if row is None:
             raise ArchiveError(f"run {self.run_id!r} has no manifest under {self.root}; call write_run first")
@@ -258,6 +263,8 @@ class ArchiveWriter:
         row["finished_at"] = None if status == "running" else finished_at or _now()  # a resumed run is unfinished
         if skipped is not None:
             row["skipped"] = skipped
+        if placements:
+            row["placements"] = placements
         return self.write_run(row)
 
     def write_verdicts(self, rows: list[dict[str, Any]]) -> Path:

@@ -65,8 +65,15 @@ def _header(store: Store, run_id: str) -> str:
               ("git sha", run.get("git_sha")), ("started", run.get("started_at")), ("finished", run.get("finished_at")),
               ("baseline run", run.get("baseline_run_id"))]
     fields += sorted(json.loads(run.get("versions") or "{}").items())
+    fields += [(f"actor {i}", _actor(p)) for i, p in enumerate(json.loads(run.get("placements") or "[]"))]
     shown = [(k, v.isoformat(sep=" ", timespec="seconds") if isinstance(v, dt.datetime) else v) for k, v in fields]
     return f"# KIVI evaluation: `{run_id}`\n\n" + _table(["field", "value"], shown)
+
+
+def _actor(placement: dict[str, Any]) -> str:
+    gpu = f" GPU {','.join(placement['ray_gpu_ids'])}" if placement["ray_gpu_ids"] else ""
+    uuid = f" ({placement['gpu_uuid'][:8]}…)" if placement["gpu_uuid"] else ""
+    return f"{placement['host']} pid {placement['pid']} {placement['device']}{gpu}{uuid}: {placement['jobs']} jobs"
 
 
 def _scores(store: Store, run_id: str, out: Path) -> str:

@@ -61,9 +61,9 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
         shard_jobs, sweep_jobs, skipped = _plan(config, archive, summary)
         _execute(config, ctx, shard_jobs, sweep_jobs, summary, progress, in_process)
     except BaseException:
-        archive.update_run_status("failed")
+        archive.update_run_status("failed", placements=summary.placements)
         raise
-    archive.update_run_status("complete", skipped=skipped)
+    archive.update_run_status("complete", skipped=skipped, placements=summary.placements)
     return summary
 
 

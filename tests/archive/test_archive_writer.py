@@ -126,6 +126,16 @@ def test_updating_the_run_status_keeps_the_manifest_and_stamps_the_finish(tmp_pa
     assert run["versions"] == '{"torch": "2.13.0"}' and run["skipped"] == '{"gsm8k": {"no answer": 3}}'
 
 
+def test_a_manifest_written_before_a_column_existed_reads_it_as_null_and_can_be_updated(tmp_path: Path) -> None:
+    writer = ArchiveWriter(tmp_path, "old")
+    writer.write_run({"kind": "smoke"})
+    table = pq.read_table(writer.run_path)
+    pq.write_table(table.drop_columns(["placements"]), writer.run_path)  # as an archive of an earlier version holds it
+    assert writer.read_run()["placements"] is None
+    writer.update_run_status("complete", placements=[{"host": "h", "pid": 1, "jobs": 2}])
+    assert writer.read_run()["placements"] == '[{"host": "h", "jobs": 2, "pid": 1}]'
+
+
 def test_a_manifest_with_an_unknown_kind_or_status_is_refused(tmp_path: Path) -> None:
     writer = ArchiveWriter(tmp_path, "r1")
     with pytest.raises(ArchiveError, match="runs.kind='weekly'"):

@@ -50,8 +50,9 @@ def test_a_killed_actor_is_replaced_and_the_archive_has_one_row_per_request_and_
     assert len({p["pid"] for p in summary.placements}) == 2
     assert sum(p["jobs"] for p in summary.placements) == 6 and min(p["jobs"] for p in summary.placements) >= 1
     with Store(config.archive) as store:
-        (skipped,), = store.query("SELECT skipped FROM runs WHERE run_id = $1", [summary.run_id])[1]
+        (skipped, placements), = store.query("SELECT skipped, placements FROM runs WHERE run_id = $1", [summary.run_id])[1]
     assert sum(json.loads(skipped)["gsm8k"].values()) == 2
+    assert json.loads(placements) == summary.placements  # the manifest keeps where the run ran
 
 
 def test_an_interrupted_run_resumes_only_the_missing_shards_and_equals_an_uninterrupted_run(
