@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
+
+LOG2E = math.log2(math.e)  # softmax in base 2: exp(x) = exp2(x * LOG2E)
+
+
+def split_count(batch: int, kv_heads: int, max_tokens: int, min_tokens: int, cap: int, per_sm: int,
+                device: torch.device) -> int:
+    """Splits per sequence: about ``per_sm`` programs per multiprocessor, each with >= ``min_tokens`` tokens."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    wanted = triton.cdiv(per_sm * sms, batch * kv_heads)
+    return max(1, min(wanted, max_tokens // min_tokens, cap))
 
 
 @triton.jit

@@ -26,16 +26,13 @@ last split walks them in blocks of TAIL_BLOCK tokens, dequantized in fp32, with 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import merge_splits, split_targets, store_split
+from kernels._triton import LOG2E, merge_splits, split_count, split_targets, store_split
 from kivi.quant import codes_per_word
 
-LOG2E = math.log2(math.e)
 HEAD_DIMS = (64, 128)  # head sizes checked on the GPU
 TAIL_BLOCK = tl.constexpr(16)  # tokens per tail block (registers: fp32 keys and values of the block)
 
@@ -291,9 +288,7 @@ def default_num_splits(batch: int, kv_heads: int, max_tokens: int, k_bits: int, 
                        per_sm: int = 32) -> int:
     """Splits per sequence for about ``per_sm`` one-warp programs per multiprocessor, each with >= 2 fast tiles
     of the longest sequence."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    wanted = triton.cdiv(per_sm * sms, batch * kv_heads)
-    return max(1, min(wanted, max_tokens // (2 * tile_tokens(k_bits, group_size)), 128))
+    return split_count(batch, kv_heads, max_tokens, 2 * tile_tokens(k_bits, group_size), 128, per_sm, device)
 
 
 def decode_attention_tensors(
@@ -391,7 +386,6 @@ def _shape_problem(dim: int, group_size: int, k_bits: int) -> str | None:
     if g & (g - 1) or g < 16 or dim % g or tile_tokens(k_bits, g) % g:
         return (f"group_size={g} must be a power of two >= 16 dividing head_dim={dim} and the fast tile of "
                 f"{tile_tokens(k_bits, g)} {k_bits}-bit key tokens")
-
     return None
 
 

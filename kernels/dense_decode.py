@@ -12,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import merge_splits, split_targets, store_split
-from kernels.decode_attention import LOG2E
+from kernels._triton import LOG2E, merge_splits, split_count, split_targets, store_split
 
 BLOCK_N = 64
 
@@ -63,9 +62,7 @@ def _dense_decode_kernel(
 
 def default_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device, per_sm: int = 4) -> int:
     """Splits per sequence for about ``per_sm`` programs per multiprocessor, each with >= 2 blocks of the capacity."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    wanted = triton.cdiv(per_sm * sms, batch * kv_heads)
-    return max(1, min(wanted, capacity // (2 * BLOCK_N), 64))
+    return split_count(batch, kv_heads, capacity, 2 * BLOCK_N, 64, per_sm, device)
 
 
 def dense_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,

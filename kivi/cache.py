@@ -120,10 +120,15 @@ def model_head_dim(text: PretrainedConfig) -> int:
     return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
 
+def mixed_layer_types(text: PretrainedConfig) -> list[str]:
+    """A decoder's layer types when any is not full attention (sliding window, linear …); else []."""
+    layer_types = sorted(set(getattr(text, "layer_types", None) or ["full_attention"]))
+    return [] if layer_types == ["full_attention"] else layer_types
+
+
 def _check_fits_model(config: KiviConfig, text: PretrainedConfig) -> None:
-    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        raise KiviConfigError(f"KiviCache supports full-attention layers only; this model has {sorted(layer_types)}")
+    if layer_types := mixed_layer_types(text):
+        raise KiviConfigError(f"KiviCache supports full-attention layers only; this model has {layer_types}")
     head_dim = model_head_dim(text)
     for layer in config.layer_overrides:
         if layer >= text.num_hidden_layers:

@@ -25,7 +25,7 @@ from kivi.attention import attention_over_cache
 from kivi.cache import model_head_dim
 from kivi.config import KiviConfig, KiviConfigError
 from kivi.quant import GROUP_DIM, Quantized, codes_per_word, dequantize, quantize
-from kivi.stream import quantize_on_device
+from kivi.stream import quantize_on_device, round_up
 
 
 def static_unsupported(config: KiviConfig) -> str | None:
@@ -133,7 +133,7 @@ class KiviStaticLayer(_StaticLayer):
         g, r = config.group_size, config.residual_length
         self.key_block, self.window = r or g, r
         batch, capacity, dtype, device = state.batch, state.capacity, state.dtype, state.device
-        key_tokens = -(-capacity // self.key_block) * self.key_block
+        key_tokens = round_up(capacity, self.key_block)
         kw, vw = codes_per_word(config.k_bits), codes_per_word(config.v_bits)
         self.keys = Quantized(
             torch.zeros(batch, kv_heads, key_tokens // kw, head_dim, dtype=torch.int32, device=device),
@@ -251,7 +251,6 @@ class StaticCache:
             raise KiviConfigError(f"KiviConfig: {reason}")
         device = torch.device(device)
         self.state = StepState(batch, capacity, dtype, device, device.type == "cuda" if use_kernels is None else use_kernels)
-        self.kivi = kivi
         kv_heads = text.num_key_value_heads
         head_dim = model_head_dim(text)
         self.layers = [

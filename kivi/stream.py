@@ -117,7 +117,7 @@ class KVStream:
         capacity = self._token_count(self.packed)
         if start + n > capacity:
             batch, heads, _, dim = self.resid.shape
-            grown = self._empty_packed(batch, heads, _round_up(max(start + n, 2 * capacity), self.group_size), dim, self.resid)
+            grown = self._empty_packed(batch, heads, round_up(max(start + n, 2 * capacity), self.group_size), dim, self.resid)
             for old, new in zip(self.packed, grown):
                 new[:, :, : old.shape[2]] = old
             self.packed = grown
@@ -189,5 +189,5 @@ def quantize_on_device(x: torch.Tensor, bits: int, group_size: int, axis: str) -
     return quantize(x, bits, group_size, GROUP_DIM[axis])
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple

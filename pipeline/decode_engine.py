@@ -32,14 +32,11 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kivi import KiviConfig
+from kivi.cache import mixed_layer_types
 from kivi.static_cache import StaticCache
 
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
-
-# One step before capture compiles the kernels and sets up cuBLAS. Not more: a second step would overwrite
-# value-ring rows that the first real step still reads.
-WARMUP_STEPS = 1
 
 
 class UnsupportedModelError(ValueError):
@@ -113,18 +110,19 @@ class DecodeEngine:
         """Run the model on the prompts in micro-batches, store their K/V; returns the first greedy tokens [B]."""
         first = torch.empty(len(prompts), dtype=torch.long, device=self.device)
         for rows in _micro_batches(lengths.tolist(), self.prefill_tokens):
-            width = int(lengths[rows].max())
+            rows_lengths = lengths[rows]
+            width = int(rows_lengths.max())
             ids = torch.zeros(len(rows), width, dtype=torch.long)
             for j, row in enumerate(rows):
                 ids[j, : len(prompts[row])] = torch.as_tensor(prompts[row])
-            mask = torch.arange(width)[None, :] < lengths[rows][:, None]
+            mask = torch.arange(width)[None, :] < rows_lengths[:, None]
             kv = DynamicCache(config=self.model.config)
             hidden = self.base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), past_key_values=kv,
                                use_cache=True).last_hidden_state
-            last = hidden[torch.arange(len(rows), device=self.device), lengths[rows].to(self.device) - 1]
+            last = hidden[torch.arange(len(rows), device=self.device), rows_lengths.to(self.device) - 1]
             index = torch.tensor(rows, device=self.device)
             first[index] = self.model.lm_head(last).argmax(-1)
-            cache.load(index, [(layer.keys, layer.values) for layer in kv.layers], lengths[rows])
+            cache.load(index, [(layer.keys, layer.values) for layer in kv.layers], rows_lengths)
         return first
 
     def _step(self, cache: StaticCache, tokens: torch.Tensor) -> None:
@@ -141,13 +139,13 @@ class DecodeEngine:
         cache.advance()
 
     def _capture(self, cache: StaticCache, tokens: torch.Tensor) -> torch.cuda.CUDAGraph:
-        """Warm up, then capture one step. The warm-up step writes only what the first real step rewrites."""
+        """Warm up, then capture one step. The warm-up step (it compiles the kernels and sets up cuBLAS) writes only
+        what the first real step rewrites; a second one would overwrite value-ring rows that step still reads."""
         saved = cache.positions.clone(), tokens.clone()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(WARMUP_STEPS):
-                self._step(cache, tokens)
+            self._step(cache, tokens)
         torch.cuda.current_stream(self.device).wait_stream(side)
         cache.positions.copy_(saved[0])
         tokens.copy_(saved[1])
@@ -177,9 +175,8 @@ def _check_supported(model: PreTrainedModel):
             f"{type(model).__name__}: the decode engine drives pre-norm decoders laid out as Llama, Mistral or Qwen2 "
             f"({', '.join(LAYER_PARTS)}; attention {', '.join(ATTENTION_PARTS)}, apply_rotary_pos_emb); "
             f"missing {missing + ([] if rotate else ['apply_rotary_pos_emb'])}, unexpected {extra}")
-    layer_types = set(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        raise UnsupportedModelError(f"{type(model).__name__}: the decode engine supports full-attention layers only, not {sorted(layer_types)}")
+    if layer_types := mixed_layer_types(model.config.get_text_config(decoder=True)):
+        raise UnsupportedModelError(f"{type(model).__name__}: the decode engine supports full-attention layers only, not {layer_types}")
     return rotate
 
 

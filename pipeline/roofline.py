@@ -91,8 +91,8 @@ def main(argv=None) -> None:
     tokenizer = load_tokenizer(args.tokenizer or config.model.tokenizer or config.model.spec)
     model_config = load_model_config(config.model.spec)
     caches, workloads = config.kivi_configs(), config.build_workloads()
-    requests = {name: w.requests(tokenizer, request_budget(config, tokenizer)) for name, w in workloads.items()
-                if w.kind == "throughput"}
+    budget = request_budget(config, tokenizer)
+    requests = {name: w.requests(tokenizer, budget) for name, w in workloads.items() if w.kind == "throughput"}
     print(f"{'cache':20} {'B':>5} {'step ms':>8} {'weights GB':>10} {'KV GB':>7} {'TFLOP':>6} {'bytes ms':>8} "
           f"{'FLOP ms':>8} {'roofline':>8} {'measured/roofline':>17}")
     for point in points:
