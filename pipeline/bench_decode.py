@@ -49,6 +49,7 @@ def generate_step_ms(model, ids: torch.Tensor, new: int, warm: bool = False, **k
 
 
 def speed(model, batches: list[int], prompt: int, new: int) -> list[dict]:
+    model.generation_config.eos_token_id = None  # generate must decode all `new` tokens, as the engine does
     engine = DecodeEngine(model)
     vocab = model.config.vocab_size
     rows = []
