@@ -1,20 +1,26 @@
-"""The engine on a random-weight model whose vocabulary is smaller than its borrowed tokenizer's."""
+"""The engine on a random-weight model whose vocabulary is smaller than its borrowed tokenizer's; the
+reproducibility probe."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kivi import KiviConfig
-from pipeline.engine import Engine
+from pipeline.engine import Engine, Generation
 from pipeline.models import load_tokenizer
+from pipeline.sdpa_determinism import agreement
 from pipeline.workloads import Request
 
 
-def test_ids_past_the_vocabulary_fold_into_it_on_every_path():
-    tokenizer = load_tokenizer("smollm2-135m")  # 49,152 ids
+def tiny_engine() -> Engine:
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
-    engine = Engine(LlamaForCausalLM(config).eval(), tokenizer)
+    return Engine(LlamaForCausalLM(config).eval(), load_tokenizer("smollm2-135m"))  # 49,152 ids
+
+
+def test_ids_past_the_vocabulary_fold_into_it_on_every_path():
+    engine = tiny_engine()
+    tokenizer = engine.tokenizer
     prompt = "Needles, haystacks and quantized caches"
     assert max(tokenizer(prompt, add_special_tokens=False).input_ids) >= 512
     requests = [Request(f"r{i}", "niah", "niah", prompt * (i + 1), 5, "{}") for i in range(2)]
@@ -27,3 +33,12 @@ def test_ids_past_the_vocabulary_fold_into_it_on_every_path():
     fidelity = Request("f", "fidelity", "fidelity", prompt * 8, 0, "{}", meta={"tokens": 48, "chunk": 16})
     stats = engine.teacher_forced(fidelity, KiviConfig(residual_length=32))
     assert stats["tokens"] == 48 and 0 <= stats["top1_agreement"] <= 1
+
+
+def test_the_probe_counts_requests_decoded_the_same_in_two_passes(monkeypatch):
+    engine = tiny_engine()
+    requests = [Request(f"r{i}", "niah", "niah", "a haystack " * (i + 3), 4, "{}") for i in range(3)]
+    assert agreement(engine, requests, batch_size=2) == 3  # the CPU path is deterministic
+    passes = iter([["x", "y", "z"], ["x", "q", "z"]])
+    monkeypatch.setattr(engine, "generate", lambda *args: [Generation(t, 1, 1, 0.0) for t in next(passes)])
+    assert agreement(engine, requests) == 2
