@@ -17,11 +17,13 @@ slice jv holds channels word * cpw + jv. Scales fold into the other operand:
   (query head, value group); each channel keeps its group's row when the accumulators are folded at the end.
 A tile's value words are loaded once, before its keys are computed, so that they are in flight meanwhile.
 One PTX sequence unpacks two codes into an exact fp16 pair (PRMT, SHR, LOP3 into the mantissa of 1024,
-HSUB2). Triton's interpreter cannot run PTX, so on the CPU the same codes come from shifts and masks (``ASM``
+HSUB2). Triton's interpreter cannot run PTX, so on the CPU the same codes come from shifts and masks (``GPU``
 off); `python -m kernels.check` covers the PTX path on the GPU.
 
 The tail (tokens after the last fast tile: residuals, partly quantized tiles) and the sinks are few; the
-last split walks them in blocks of TAIL_BLOCK tokens, dequantized in fp32, with fp32 matmuls.
+last split walks them in blocks of TAIL_BLOCK tokens with the same folding (codes as exact 16-bit operands,
+scales in the other operand), residual keys and values as stored; on the GPU every dot is two tensor-core
+dots (hi and lo 16-bit parts of the fp32 operand), in the interpreter one fp32 dot.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from kernels._triton import LOG2E, merge_splits, split_count, split_targets, sto
 from kivi.quant import codes_per_word
 
 HEAD_DIMS = (64, 128)  # head sizes checked on the GPU
-TAIL_BLOCK = tl.constexpr(16)  # tokens per tail block (registers: fp32 keys and values of the block)
+TAIL_BLOCK = tl.constexpr(16)  # tokens per tail block: divides every group size (>= 16), so one key group per block
 
 
 def _unpack_asm(bits: int, j: int) -> str:
@@ -53,9 +55,9 @@ UNPACK_8 = tl.constexpr(tuple(_unpack_asm(8, j) for j in range(4)))
 
 
 @triton.jit
-def _code_slice(words, J: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+def _code_slice(words, J: tl.constexpr, BITS: tl.constexpr, GPU: tl.constexpr):
     """Code J of every int32 word, as exact fp16."""
-    if ASM:
+    if GPU:
         if BITS == 2:
             asm: tl.constexpr = UNPACK_2[J]
         elif BITS == 4:
@@ -79,7 +81,7 @@ def _split16(x):
 @triton.jit
 def _fast_tile(q, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                HEAD_DIM: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
-               ROWS: tl.constexpr, ASM: tl.constexpr):
+               ROWS: tl.constexpr, GPU: tl.constexpr):
     """One fast tile: keys and values of tokens t * TILE .. (t + 1) * TILE (TILE = ROWS * cpw_k), all quantized.
 
     q [HP, D] fp32 (scaled, log2 units); accs: per value code slice jv, [HP * VG, VW] fp32 (rows (head, value
@@ -115,7 +117,7 @@ def _fast_tile(q, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_pt
     slot = tl.arange(0, CPW_K)
     logits = tl.zeros([HP, ROWS, CPW_K], tl.float32)  # token row * cpw + j at [:, row, j]
     for j in tl.static_range(CPW_K):
-        s = tl.reshape(tl.dot(qs, _code_slice(words, j, BITS_K, ASM)), (TG, HP, 2, ROWS))
+        s = tl.reshape(tl.dot(qs, _code_slice(words, j, BITS_K, GPU)), (TG, HP, 2, ROWS))
         s = tl.sum(tl.sum(tl.where(own[:, None, None, :], s, 0.0), axis=2), axis=0) + qz  # [HP, ROWS]
         logits += tl.where((slot == j)[None, None, :], s[:, :, None], 0.0)
     logits = tl.reshape(logits, (HP, TILE))
@@ -129,7 +131,7 @@ def _fast_tile(q, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_pt
     alpha_rows = tl.reshape(tl.broadcast_to(alpha[:, None], (HP, VG)), (HP * VG,))
     updated = ()
     for jv in tl.static_range(CPW_V):
-        updated = updated + (tl.dot(ps, _code_slice(vwords, jv, BITS_V, ASM), accs[jv] * alpha_rows[:, None]),)
+        updated = updated + (tl.dot(ps, _code_slice(vwords, jv, BITS_V, GPU), accs[jv] * alpha_rows[:, None]),)
     return updated, accz, m_new, l_i
 
 
@@ -147,49 +149,105 @@ def _fold(accs, accz, HEAD_DIM: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.co
         own = tl.arange(0, VG)[:, None] == ((w * CPW_V + jv) // GROUP)[None, :]  # [VG, VW]
         a = tl.sum(tl.where(own[None, :, :], tl.reshape(accs[jv], (HP, VG, VW)), 0.0), axis=1)  # [HP, VW]
         acc += tl.where((slot == jv)[None, None, :], a[:, :, None], 0.0)
-    zeros = tl.broadcast_to(accz[:, :, None], (HP, VG, GROUP))
-    return tl.reshape(acc, (HP, HEAD_DIM)) + tl.reshape(zeros, (HP, HEAD_DIM))
+    return tl.reshape(acc, (HP, HEAD_DIM)) + _group_broadcast(accz, GROUP)
 
 
 @triton.jit
-def _tail_kv(i, n_qk, n_qv, n_tok, kc_ptr, ks_ptr, kz_ptr, kr_ptr, vc_ptr, vs_ptr, vz_ptr, vr_ptr, vr_rows,
-             HEAD_DIM: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
-             V_RING: tl.constexpr):
-    """Keys and values [TAIL_BLOCK, D] fp32 of positions ``i`` (after the sinks), each from its codes or its
-    residual; rows at or past n_tok are 0. V_RING: the value residual is a ring, position i in row i % vr_rows."""
-    CPW_K: tl.constexpr = 32 // BITS_K
-    CPW_V: tl.constexpr = 32 // BITS_V
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    valid = (i < n_tok)[:, None]
-    qk = (i < n_qk)[:, None]
-    words = tl.load(kc_ptr + (i // CPW_K)[:, None] * HEAD_DIM + d, mask=qk, other=0)
-    codes = ((words >> (BITS_K * (i % CPW_K))[:, None]) & ((1 << BITS_K) - 1)).to(tl.float32)
-    stat = (i // GROUP)[:, None] * HEAD_DIM + d
-    k = codes * tl.load(ks_ptr + stat, mask=qk, other=0.0).to(tl.float32) + tl.load(kz_ptr + stat, mask=qk, other=0.0).to(tl.float32)
-    resid = tl.load(kr_ptr + (i - n_qk)[:, None] * HEAD_DIM + d, mask=valid & ~qk, other=0.0).to(tl.float32)
-    k = tl.where(qk, k, resid)
-    qv = (i < n_qv)[:, None]
-    words = tl.load(vc_ptr + i[:, None] * (HEAD_DIM // CPW_V) + d // CPW_V, mask=qv, other=0)
-    codes = ((words >> (BITS_V * (d % CPW_V))) & ((1 << BITS_V) - 1)).to(tl.float32)
-    stat = i[:, None] * (HEAD_DIM // GROUP) + d // GROUP
-    v = codes * tl.load(vs_ptr + stat, mask=qv, other=0.0).to(tl.float32) + tl.load(vz_ptr + stat, mask=qv, other=0.0).to(tl.float32)
-    if V_RING:
-        v_row = i % vr_rows
+def _dot_split(a, b, acc, GPU: tl.constexpr):
+    """acc + a @ b with a [M, K] fp32 and b [K, N] exact in its 16-bit dtype. On the GPU: two tensor-core dots,
+    a's high and low 16-bit parts (near fp32); in the interpreter, which has no 16-bit dots, one fp32 dot."""
+    if GPU:
+        hi = a.to(b.dtype)
+        lo = (a - hi.to(tl.float32)).to(b.dtype)
+        return tl.dot(lo, b, tl.dot(hi, b, acc))
     else:
-        v_row = i - n_qv
-    resid = tl.load(vr_ptr + v_row[:, None] * HEAD_DIM + d, mask=valid & ~qv, other=0.0).to(tl.float32)
-    return k, tl.where(qv, v, resid)
+        return tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit
-def _full_update(q, k, v, valid, acc, m_i, l_i):
-    """Online softmax (base 2) step over fp32 keys/values [N, D] (``valid`` rows only; at least one)."""
-    s = tl.where(valid[None, :], tl.dot(q, tl.trans(k), input_precision="ieee"), float("-inf"))  # [HP, N]
+def _softmax_step(s, valid, m_i, l_i):
+    """Online softmax (base 2) over logits s [HP, N] (``valid`` columns only): p, the rescale factor, m, l."""
+    s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-    return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _tail_block(q, acc, accq, accz, m_i, l_i, i0, n_qk, n_qv, n_tok,
+                kc_ptr, ks_ptr, kz_ptr, kr_ptr, vc_ptr, vs_ptr, vz_ptr, vr_ptr, vr_rows,
+                HEAD_DIM: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
+                V_RING: tl.constexpr, GPU: tl.constexpr):
+    """Positions i0 .. i0 + TAIL_BLOCK (after the sinks), each key and value from its codes or its residual.
+
+    Codes enter the dots as exact 16-bit numbers and their scales fold into the other operand, as in the fast
+    tiles: q . k = (q * s) . c + q . z. A block lies in one key group and its keys are all quantized or all
+    residual (n_qk is a multiple of G, G a multiple of TAIL_BLOCK); values switch at n_qv, anywhere. acc [HP, D]
+    takes the residual values; accq [HP * VG, D] (rows (head, value group)) and accz [HP, VG] the quantized
+    ones, folded by ``_fold_groups``. V_RING: the value residual is a ring, position i in row i % vr_rows.
+    """
+    CPW_K: tl.constexpr = 32 // BITS_K
+    CPW_V: tl.constexpr = 32 // BITS_V
+    VG: tl.constexpr = HEAD_DIM // GROUP
+    HP: tl.constexpr = q.shape[0]
+    if GPU:
+        dt = kr_ptr.dtype.element_ty  # codes as exact 16-bit operands
+    else:
+        dt = tl.float32  # the interpreter's integer -> bf16 casts are wrong
+    d = tl.arange(0, HEAD_DIM)
+    i = i0 + tl.arange(0, TAIL_BLOCK)
+    valid = i < n_tok
+    zero_logits = tl.zeros([HP, TAIL_BLOCK], tl.float32)
+    if i0 < n_qk:
+        words = tl.load(kc_ptr + (i // CPW_K)[None, :] * HEAD_DIM + d[:, None])  # [D, N]
+        codes = ((words >> (BITS_K * (i % CPW_K))[None, :]) & ((1 << BITS_K) - 1)).to(dt)
+        stat = (i0 // GROUP) * HEAD_DIM + d
+        scale = tl.load(ks_ptr + stat).to(tl.float32)
+        zero = tl.load(kz_ptr + stat).to(tl.float32)
+        s = _dot_split(q * scale[None, :], codes, zero_logits + tl.sum(q * zero[None, :], axis=1)[:, None], GPU)
+    else:
+        k = tl.load(kr_ptr + (i - n_qk)[None, :] * HEAD_DIM + d[:, None], mask=valid[None, :], other=0.0)  # [D, N]
+        s = _dot_split(q, k, zero_logits, GPU)
+    p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i)
+
+    acc = acc * alpha[:, None]
+    accq = tl.reshape(tl.reshape(accq, (HP, VG, HEAD_DIM)) * alpha[:, None, None], (HP * VG, HEAD_DIM))
+    accz = accz * alpha[:, None]
+    quantized = i < n_qv
+    if i0 < n_qv:
+        words = tl.load(vc_ptr + i[:, None] * (HEAD_DIM // CPW_V) + (d // CPW_V)[None, :], mask=quantized[:, None], other=0)
+        codes = ((words >> (BITS_V * (d % CPW_V))[None, :]) & ((1 << BITS_V) - 1)).to(dt)  # [N, D]
+        stat = i[None, :] * VG + tl.arange(0, VG)[:, None]  # [VG, N]
+        scale = tl.load(vs_ptr + stat, mask=quantized[None, :], other=0.0).to(tl.float32)
+        zero = tl.load(vz_ptr + stat, mask=quantized[None, :], other=0.0).to(tl.float32)
+        pq = tl.where(quantized[None, :], p, 0.0)
+        accq = _dot_split(tl.reshape(pq[:, None, :] * scale[None, :, :], (HP * VG, TAIL_BLOCK)), codes, accq, GPU)
+        accz += tl.sum(pq[:, None, :] * zero[None, :, :], axis=2)
+    if i0 + TAIL_BLOCK > n_qv:
+        if V_RING:
+            row = i % vr_rows
+        else:
+            row = i - n_qv
+        resid = tl.load(vr_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=(valid & ~quantized)[:, None], other=0.0)
+        acc = _dot_split(tl.where(quantized[None, :], 0.0, p), resid, acc, GPU)
+    return acc, accq, accz, m_i, l_i
+
+
+@triton.jit
+def _fold_groups(accq, accz, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr):
+    """Tail accumulators -> [HP, D]: channel c keeps row (head, c // G) of accq, plus its group's zero term."""
+    HP: tl.constexpr = accz.shape[0]
+    VG: tl.constexpr = HEAD_DIM // GROUP
+    own = tl.arange(0, VG)[:, None] == (tl.arange(0, HEAD_DIM) // GROUP)[None, :]  # [VG, D]
+    acc = tl.sum(tl.where(own[None, :, :], tl.reshape(accq, (HP, VG, HEAD_DIM)), 0.0), axis=1)
+    return acc + _group_broadcast(accz, GROUP)
+
+
+@triton.jit
+def _group_broadcast(x, GROUP: tl.constexpr):
+    """[HP, VG] -> [HP, VG * GROUP]: each group's value on its channels."""
+    return tl.reshape(tl.broadcast_to(x[:, :, None], (x.shape[0], x.shape[1], GROUP)), (x.shape[0], x.shape[1] * GROUP))
 
 
 @triton.jit
@@ -211,7 +269,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
     ROWS: tl.constexpr,  # key words per channel in a fast tile: the N of the key matmuls
     SINGLE: tl.constexpr,  # num_splits == 1: write the final output
-    ASM: tl.constexpr,
+    GPU: tl.constexpr,  # compiled for CUDA: PTX unpacking, 16-bit tensor-core dots (off in the interpreter)
     V_RING: tl.constexpr,
 ):
     CPW_V: tl.constexpr = 32 // BITS_V
@@ -253,23 +311,26 @@ def _decode_kernel(
     accz = tl.zeros([HP, VG], tl.float32)
     for t in range(lo, hi):
         accs, accz, m_i, l_i = _fast_tile(q, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-                                          HEAD_DIM, BITS_K, BITS_V, GROUP, ROWS, ASM)
+                                          HEAD_DIM, BITS_K, BITS_V, GROUP, ROWS, GPU)
     acc = _fold(accs, accz, HEAD_DIM, BITS_V, GROUP)
 
     # The tail and the sinks, on the last split (it owns the fewest fast tiles).
     if split == num_splits - 1:
-        n = tl.arange(0, TAIL_BLOCK)
+        accq = tl.zeros([HP * VG, HEAD_DIM], tl.float32)
+        accz = tl.zeros([HP, VG], tl.float32)
         for t in range(fast_tiles * (TILE // TAIL_BLOCK), tl.cdiv(n_tok, TAIL_BLOCK)):
+            acc, accq, accz, m_i, l_i = _tail_block(
+                q, acc, accq, accz, m_i, l_i, t * TAIL_BLOCK, n_qk, n_qv, n_tok, kc_ptr, ks_ptr, kz_ptr, kr_ptr,
+                vc_ptr, vs_ptr, vz_ptr, vr_ptr, vr_rows, HEAD_DIM, BITS_K, BITS_V, GROUP, V_RING, GPU)
+        acc += _fold_groups(accq, accz, HEAD_DIM, GROUP)
+        n = tl.arange(0, TAIL_BLOCK)
+        for t in range(tl.cdiv(n_sink, TAIL_BLOCK)):
             i = t * TAIL_BLOCK + n
-            k, v = _tail_kv(i, n_qk, n_qv, n_tok, kc_ptr, ks_ptr, kz_ptr, kr_ptr, vc_ptr, vs_ptr, vz_ptr, vr_ptr,
-                            vr_rows, HEAD_DIM, BITS_K, BITS_V, GROUP, V_RING)
-            acc, m_i, l_i = _full_update(q, k, v, i < n_tok, acc, m_i, l_i)
-        for t in range(0, tl.cdiv(n_sink, TAIL_BLOCK)):
-            i = t * TAIL_BLOCK + n
-            rows = i[:, None] * HEAD_DIM + d[None, :]
-            k = tl.load(k_sink_ptr + rows, mask=(i < n_sink)[:, None], other=0.0).to(tl.float32)
-            v = tl.load(v_sink_ptr + rows, mask=(i < n_sink)[:, None], other=0.0).to(tl.float32)
-            acc, m_i, l_i = _full_update(q, k, v, i < n_sink, acc, m_i, l_i)
+            valid = i < n_sink
+            k = tl.load(k_sink_ptr + i[None, :] * HEAD_DIM + d[:, None], mask=valid[None, :], other=0.0)  # [D, N]
+            v = tl.load(v_sink_ptr + i[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
+            p, alpha, m_i, l_i = _softmax_step(_dot_split(q, k, tl.zeros([HP, TAIL_BLOCK], tl.float32), GPU), valid, m_i, l_i)
+            acc = _dot_split(p, v, acc * alpha[:, None], GPU)
 
     store_split(acc, m_i, l_i, out_ptr, lse_ptr, b, h, split, kv_heads, num_splits, stride_ob, stride_oh, HG, SINGLE)
 
@@ -359,7 +420,7 @@ def decode_attention_tensors(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_sink.shape[2], k_codes.shape[2], k_scale.shape[2], k_resid.shape[2], v_codes.shape[2], v_resid.shape[2],
         HG=group_heads, HP=triton.next_power_of_2(group_heads), HEAD_DIM=dim, BITS_K=k_bits, BITS_V=v_bits,
-        GROUP=group_size, ROWS=tile_rows(k_bits, group_size), SINGLE=num_splits == 1, ASM=query.is_cuda, V_RING=v_ring, num_warps=1, num_stages=num_stages,
+        GROUP=group_size, ROWS=tile_rows(k_bits, group_size), SINGLE=num_splits == 1, GPU=query.is_cuda, V_RING=v_ring, num_warps=1, num_stages=num_stages,
     )
     if num_splits > 1:
         merge_splits(target, lse, out)

@@ -6,6 +6,12 @@ attention reads them: codes, scales and zeros of the quantized part, 16-bit resi
 (2 per weight per token, plus q.k and p.v). The roofline time is max(bytes / copy bandwidth, FLOPs / peak);
 the measured step over it says how far the implementation is from the hardware. The run's requests are
 rebuilt from its archived config (same data, same tokenizer), so the batch's real lengths are used.
+
+On a CUDA machine the step's matmuls are also timed at the point's batch (``matmul_ms``: the model's own
+projection, MLP and LM-head shapes, random weights), giving a tighter bound that no implementation running
+the layers in order can beat: a layer's attention needs its projections' output and its MLP the attention's,
+so matmul time + KV bytes / copy bandwidth is a floor of the step, and batch / that floor a ceiling of the
+decode tokens/s. Run it on the GPU the sweep ran on.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton
 import yaml
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from kivi import KiviConfig
 from kivi.cache import model_head_dim
 from pipeline.config import RunConfig
-from pipeline.models import load_model_config, load_tokenizer
+from pipeline.models import default_dtype, load_model_config, load_tokenizer
 from pipeline.runner import request_budget
 from pipeline.store import Store
 
@@ -42,7 +49,7 @@ def kv_bytes_per_token_head(context: int, kivi: KiviConfig | None, head_dim: int
     t = context - 1  # the position this step appended
     key_block, g = kivi.residual_length or kivi.group_size, kivi.group_size
     n_qk, n_qv = t // key_block * key_block, max(t - kivi.residual_length, 0)
-    quantized = lambda n, bits: n * head_dim * (bits / 8 + 2 * item / g)  # noqa: E731  codes + scale + zero
+    quantized = lambda n, bits: n * head_dim * (bits / 8 + 2 * item / g)  # codes + scale + zero
     full = (context - n_qk + context - n_qv) * head_dim * item
     return quantized(n_qk, kivi.k_bits) + quantized(n_qv, kivi.v_bits) + full
 
@@ -63,6 +70,28 @@ def step_cost(model_config: PretrainedConfig, kivi: KiviConfig | None, prompt_le
     kv = layers * kv_heads * sum(kv_bytes_per_token_head(n, kivi, head_dim, item) for n in contexts) / len(steps)
     attention_flops = 4 * layers * q_heads * head_dim * sum(contexts) / len(steps)
     return StepCost(item * weights, kv, 2 * matmul_weights * len(prompt_lens) + attention_flops)
+
+
+def matmul_ms(model_config: PretrainedConfig, batch: int, dtype: torch.dtype = torch.float16) -> float:
+    """Measured CUDA time of one decode step's matmuls for ``batch`` sequences: each linear layer of the first
+    decoder layer times the layer count, plus the LM head, on random weights of the model's shapes."""
+    text = model_config.get_text_config(decoder=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    shapes = [m.weight.shape for m in model.get_decoder().layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings().weight.shape
+    weights = [torch.randn(s, dtype=dtype, device="cuda") for s in shapes]
+    lm_head = torch.randn(head, dtype=dtype, device="cuda")
+    inputs = {n: torch.randn(batch, n, dtype=dtype, device="cuda") for n in {s[1] for s in [*shapes, head]}}
+
+    def layer():
+        for w in weights:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+    def head_only():
+        torch.nn.functional.linear(inputs[head[1]], lm_head)
+
+    return text.num_hidden_layers * triton.testing.do_bench(layer) + triton.testing.do_bench(head_only)
 
 
 def best_points(run_id: str, archive: str) -> tuple[RunConfig, list[dict]]:
@@ -93,8 +122,11 @@ def main(argv=None) -> None:
     caches, workloads = config.kivi_configs(), config.build_workloads()
     budget = request_budget(config, tokenizer)
     requests = {name: w.requests(tokenizer, budget) for name, w in workloads.items() if w.kind == "throughput"}
+    cuda = torch.cuda.is_available()
+    dtype = default_dtype("cuda") if config.model.dtype == "auto" else getattr(torch, config.model.dtype)
     print(f"{'cache':20} {'B':>5} {'step ms':>8} {'weights GB':>10} {'KV GB':>7} {'TFLOP':>6} {'bytes ms':>8} "
-          f"{'FLOP ms':>8} {'roofline':>8} {'measured/roofline':>17}")
+          f"{'FLOP ms':>8} {'roofline':>8} {'measured/roofline':>17}"
+          + (f" {'matmul ms':>9} {'floor ms':>8} {'decode tok/s ceiling':>20}" if cuda else ""))
     for point in points:
         batch = requests[point["workload"]][: point["batch_size"]]
         cost = step_cost(model_config, caches[point["cache"]], [r.meta["prompt_tokens"] for r in batch], point["gen_len"])
@@ -103,7 +135,12 @@ def main(argv=None) -> None:
         roof = max(bytes_ms, flop_ms)
         print(f"{point['cache']:20} {point['batch_size']:5d} {point['step_ms']:8.2f} {cost.weight_bytes / 1e9:10.2f} "
               f"{cost.kv_bytes / 1e9:7.2f} {cost.flops / 1e12:6.2f} {bytes_ms:8.2f} {flop_ms:8.2f} {roof:8.2f} "
-              f"{point['step_ms'] / roof:17.2f}")
+              f"{point['step_ms'] / roof:17.2f}", end="")
+        if cuda:
+            matmuls = matmul_ms(model_config, point["batch_size"], dtype)
+            floor = matmuls + cost.kv_bytes / (args.copy_tbps * 1e9)
+            print(f" {matmuls:9.2f} {floor:8.2f} {point['batch_size'] * 1e3 / floor:20,.0f}", end="")
+        print()
 
 
 if __name__ == "__main__":
