@@ -20,10 +20,10 @@ One PTX sequence unpacks two codes into an exact fp16 pair (PRMT, SHR, LOP3 into
 HSUB2). Triton's interpreter cannot run PTX, so on the CPU the same codes come from shifts and masks (``GPU``
 off); `python -m kernels.check` covers the PTX path on the GPU.
 
-The tail (tokens after the last fast tile: residuals, partly quantized tiles) and the sinks are few; the
-last split walks them in blocks of TAIL_BLOCK tokens with the same folding (codes as exact 16-bit operands,
-scales in the other operand), residual keys and values as stored; on the GPU every dot is two tensor-core
-dots (hi and lo 16-bit parts of the fp32 operand), in the interpreter one fp32 dot.
+The tail (tokens after the last fast tile: residuals, partly quantized tiles) is walked in blocks of
+TAIL_BLOCK tokens dealt out among the splits, the sinks on the last split, with the same folding (codes as
+exact 16-bit operands, scales in the other operand), residual keys and values as stored; on the GPU every
+dot is two tensor-core dots (hi and lo 16-bit parts of the fp32 operand), in the interpreter one fp32 dot.
 """
 
 from __future__ import annotations
@@ -314,15 +314,19 @@ def _decode_kernel(
                                           HEAD_DIM, BITS_K, BITS_V, GROUP, ROWS, GPU)
     acc = _fold(accs, accz, HEAD_DIM, BITS_V, GROUP)
 
-    # The tail and the sinks, on the last split (it owns the fewest fast tiles).
+    # The tail, dealt out block by block from the last split (it owns the fewest fast tiles) backwards: on the
+    # last split alone, its 2.8x-costlier tokens would make that split the slowest when there are many splits.
+    accq = tl.zeros([HP * VG, HEAD_DIM], tl.float32)
+    accz = tl.zeros([HP, VG], tl.float32)
+    first = fast_tiles * (TILE // TAIL_BLOCK) + num_splits - 1 - split
+    for t in range(first, tl.cdiv(n_tok, TAIL_BLOCK), num_splits):
+        acc, accq, accz, m_i, l_i = _tail_block(
+            q, acc, accq, accz, m_i, l_i, t * TAIL_BLOCK, n_qk, n_qv, n_tok, kc_ptr, ks_ptr, kz_ptr, kr_ptr,
+            vc_ptr, vs_ptr, vz_ptr, vr_ptr, vr_rows, HEAD_DIM, BITS_K, BITS_V, GROUP, V_RING, GPU)
+    acc += _fold_groups(accq, accz, HEAD_DIM, GROUP)
+
+    # The sinks, few, on the last split.
     if split == num_splits - 1:
-        accq = tl.zeros([HP * VG, HEAD_DIM], tl.float32)
-        accz = tl.zeros([HP, VG], tl.float32)
-        for t in range(fast_tiles * (TILE // TAIL_BLOCK), tl.cdiv(n_tok, TAIL_BLOCK)):
-            acc, accq, accz, m_i, l_i = _tail_block(
-                q, acc, accq, accz, m_i, l_i, t * TAIL_BLOCK, n_qk, n_qv, n_tok, kc_ptr, ks_ptr, kz_ptr, kr_ptr,
-                vc_ptr, vs_ptr, vz_ptr, vr_ptr, vr_rows, HEAD_DIM, BITS_K, BITS_V, GROUP, V_RING, GPU)
-        acc += _fold_groups(accq, accz, HEAD_DIM, GROUP)
         n = tl.arange(0, TAIL_BLOCK)
         for t in range(tl.cdiv(n_sink, TAIL_BLOCK)):
             i = t * TAIL_BLOCK + n
