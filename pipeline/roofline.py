@@ -21,9 +21,9 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 import yaml
 from transformers import AutoModelForCausalLM, PretrainedConfig
+from triton.testing import do_bench
 
 from kivi import KiviConfig
 from kivi.cache import model_head_dim
@@ -91,7 +91,7 @@ def matmul_ms(model_config: PretrainedConfig, batch: int, dtype: torch.dtype = t
     def head_only():
         torch.nn.functional.linear(inputs[head[1]], lm_head)
 
-    return text.num_hidden_layers * triton.testing.do_bench(layer) + triton.testing.do_bench(head_only)
+    return text.num_hidden_layers * do_bench(layer) + do_bench(head_only)
 
 
 def best_points(run_id: str, archive: str) -> tuple[RunConfig, list[dict]]:
