@@ -24,8 +24,8 @@ import triton.testing
 
 from kernels import dense_decode
 from kernels.decode_attention import decode_attention_tensors, default_num_splits
-from kernels.quantize import packed_shapes, quantize_into
-from kivi.quant import Quantized
+from kernels.quantize import quantize_into
+from kivi.quant import Quantized, allocate
 
 SHAPES = {"llama2-7b": (32, 32, 128), "gqa-32/8": (32, 8, 128)}  # query heads, KV heads, head_dim
 BATCHES = (1, 8, 32)
@@ -83,9 +83,7 @@ def kivi_args(keys: torch.Tensor, values: torch.Tensor, bits: int) -> dict:
 
 
 def _quantize(x: torch.Tensor, bits: int, axis: str) -> Quantized:
-    code_shape, stat_shape = packed_shapes(tuple(x.shape), bits, GROUP, axis)
-    out = Quantized(torch.empty(code_shape, dtype=torch.int32, device="cuda"), x.new_empty(stat_shape), x.new_empty(stat_shape))
-    return quantize_into(x, out, bits, GROUP, axis)
+    return quantize_into(x, allocate(tuple(x.shape), bits, GROUP, axis, x.dtype, x.device, fill=torch.empty), bits, GROUP, axis)
 
 
 def kivi_bytes(args: dict, query: torch.Tensor) -> int:
@@ -160,8 +158,7 @@ def time_quantize(copy_bw: float) -> list[dict]:
     rows = []
     x = torch.randn(8, 32, 4096, 128, device="cuda", dtype=DTYPE)
     for bits, axis in itertools.product((2, 4), ("channel", "token")):
-        code_shape, stat_shape = packed_shapes(tuple(x.shape), bits, GROUP, axis)
-        out = Quantized(torch.empty(code_shape, dtype=torch.int32, device="cuda"), x.new_empty(stat_shape), x.new_empty(stat_shape))
+        out = allocate(tuple(x.shape), bits, GROUP, axis, x.dtype, x.device, fill=torch.empty)
         ms = median_ms(lambda: quantize_into(x, out, bits, GROUP, axis))
         nbytes = x.nbytes + sum(t.nbytes for t in out)
         rows.append({"bits": bits, "axis": axis, "shape": list(x.shape), "ms": ms, "bytes": nbytes,

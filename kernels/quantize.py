@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton import round_to
-from kivi.quant import Quantized, codes_per_word
+from kivi.quant import Quantized, allocate, codes_per_word, packed_shapes
 
 # Adding 2^23 to a float32 in [0, 2^22) rounds it to an integer, ties to even (torch.round's rule), and leaves
 # that integer in the low mantissa bits: no float -> int conversion, and no libdevice call (which the CPU
@@ -283,21 +283,7 @@ def quantize_into(x: torch.Tensor, out: Quantized, bits: int, group_size: int, a
     return out
 
 
-def packed_shapes(shape: tuple[int, int, int, int], bits: int, group_size: int, axis: str) -> tuple[tuple, tuple]:
-    """(codes shape, scale/zero shape) of x [B, H, T, D] in the layout of kivi.quant."""
-    batch, heads, tokens, dim = shape
-    cpw = codes_per_word(bits)
-    if axis == "channel":
-        return (batch, heads, tokens // cpw, dim), (batch, heads, tokens // group_size, dim)
-    return (batch, heads, tokens, dim // cpw), (batch, heads, tokens, dim // group_size)
-
-
 def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str) -> Quantized:
     """``kivi.quant.quantize(x, bits, group_size, GROUP_DIM[axis])`` on the GPU: x [B, H, T, D] -> Quantized."""
-    code_shape, stat_shape = packed_shapes(tuple(x.shape), bits, group_size, axis)
-    out = Quantized(
-        torch.empty(code_shape, dtype=torch.int32, device=x.device),
-        torch.empty(stat_shape, dtype=x.dtype, device=x.device),
-        torch.empty(stat_shape, dtype=x.dtype, device=x.device),
-    )
+    out = allocate(tuple(x.shape), bits, group_size, axis, x.dtype, x.device, fill=torch.empty)
     return quantize_into(x, out, bits, group_size, axis)

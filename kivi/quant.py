@@ -41,6 +41,23 @@ def codes_per_word(bits: int) -> int:
     return WORD_BITS // bits
 
 
+def packed_shapes(shape: tuple[int, ...], bits: int, group_size: int, axis: str) -> tuple[tuple, tuple]:
+    """(codes shape, scale/zero shape) of x [..., T, D] quantized along ``axis`` in the layout above."""
+    *lead, tokens, dim = shape
+    cpw = codes_per_word(bits)
+    if axis == "channel":
+        return (*lead, tokens // cpw, dim), (*lead, tokens // group_size, dim)
+    return (*lead, tokens, dim // cpw), (*lead, tokens, dim // group_size)
+
+
+def allocate(shape: tuple[int, ...], bits: int, group_size: int, axis: str, dtype: torch.dtype, device,
+             fill=torch.zeros) -> Quantized:
+    """Buffers for x of ``shape`` [..., T, D] in the packed layout: int32 codes, scale and zero in ``dtype``."""
+    code_shape, stat_shape = packed_shapes(shape, bits, group_size, axis)
+    return Quantized(fill(code_shape, dtype=torch.int32, device=device), fill(stat_shape, dtype=dtype, device=device),
+                     fill(stat_shape, dtype=dtype, device=device))
+
+
 def pack(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Pack integer codes in [0, 2^bits) into int32 words along ``dim`` (its size must divide by 32 // bits)."""
     cpw = codes_per_word(bits)

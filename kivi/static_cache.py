@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 from kivi.attention import attention_over_cache
 from kivi.cache import model_head_dim
 from kivi.config import KiviConfig, KiviConfigError
-from kivi.quant import GROUP_DIM, Quantized, codes_per_word, dequantize, quantize
+from kivi.quant import GROUP_DIM, allocate, codes_per_word, dequantize, quantize
 from kivi.stream import quantize_on_device, round_up
 
 
@@ -134,17 +134,8 @@ class KiviStaticLayer(_StaticLayer):
         self.key_block, self.window = r or g, r
         batch, capacity, dtype, device = state.batch, state.capacity, state.dtype, state.device
         key_tokens = round_up(capacity, self.key_block)
-        kw, vw = codes_per_word(config.k_bits), codes_per_word(config.v_bits)
-        self.keys = Quantized(
-            torch.zeros(batch, kv_heads, key_tokens // kw, head_dim, dtype=torch.int32, device=device),
-            torch.zeros(batch, kv_heads, key_tokens // g, head_dim, dtype=dtype, device=device),
-            torch.zeros(batch, kv_heads, key_tokens // g, head_dim, dtype=dtype, device=device),
-        )
-        self.values = Quantized(
-            torch.zeros(batch, kv_heads, capacity, head_dim // vw, dtype=torch.int32, device=device),
-            torch.zeros(batch, kv_heads, capacity, head_dim // g, dtype=dtype, device=device),
-            torch.zeros(batch, kv_heads, capacity, head_dim // g, dtype=dtype, device=device),
-        )
+        self.keys = allocate((batch, kv_heads, key_tokens, head_dim), config.k_bits, g, config.key_axis, dtype, device)
+        self.values = allocate((batch, kv_heads, capacity, head_dim), config.v_bits, g, config.value_axis, dtype, device)
         self.key_resid = torch.zeros(batch, kv_heads, self.key_block, head_dim, dtype=dtype, device=device)
         self.value_ring = torch.zeros(batch, kv_heads, self.window + 1, head_dim, dtype=dtype, device=device)
         if state.use_kernels:

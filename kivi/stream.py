@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kivi.quant import GROUP_DIM, Quantized, codes_per_word, dequantize, quantize
+from kivi.quant import GROUP_DIM, Quantized, allocate, codes_per_word, dequantize, quantize
 
 
 class KVStream:
@@ -95,16 +95,7 @@ class KVStream:
             self.packed = self._empty_packed(batch, heads, 0, dim, x)
 
     def _empty_packed(self, batch: int, heads: int, tokens: int, dim: int, like: torch.Tensor) -> Quantized:
-        cpw, g = codes_per_word(self.bits), self.group_size
-        if self.axis == "channel":
-            code_shape, stat_shape = (tokens // cpw, dim), (tokens // g, dim)
-        else:
-            code_shape, stat_shape = (tokens, dim // cpw), (tokens, dim // g)
-        return Quantized(
-            like.new_zeros(batch, heads, *code_shape, dtype=torch.int32),
-            like.new_zeros(batch, heads, *stat_shape),
-            like.new_zeros(batch, heads, *stat_shape),
-        )
+        return allocate((batch, heads, tokens, dim), self.bits, self.group_size, self.axis, like.dtype, like.device)
 
     def _grow_residual(self, needed: int) -> None:
         if needed > self.resid.shape[2]:

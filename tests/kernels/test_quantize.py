@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels.quantize import packed_shapes, quantize, quantize_into
-from kivi.quant import GROUP_DIM, Quantized, dequantize, unpack
+from kernels.quantize import quantize, quantize_into
+from kivi.quant import GROUP_DIM, Quantized, dequantize, packed_shapes, unpack
 from kivi.quant import quantize as reference_quantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

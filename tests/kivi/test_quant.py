@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kivi.quant import GROUP_DIM, codes_per_word, dequantize, pack, quantize, unpack
+from kivi.quant import GROUP_DIM, allocate, codes_per_word, dequantize, pack, packed_shapes, quantize, unpack
 
 
 def _with_outlier_channels(shape, dtype=torch.float32, seed=0):
@@ -36,6 +36,17 @@ def test_the_packed_layout_is_the_documented_one():
     words = pack(codes, 2, GROUP_DIM["token"])
     assert words.shape == (1, 1, 4, 2)
     assert (int(words[0, 0, 3, 1]) >> (2 * 9)) & 3 == int(codes[0, 0, 3, 16 + 9])
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_buffers_are_allocated_in_the_shapes_quantize_writes(bits, axis):
+    # The one statement of the layout's shapes that caches and kernels allocate from.
+    x = _with_outlier_channels((2, 3, 64, 96), torch.float16)
+    q = quantize(x, bits, 32, GROUP_DIM[axis])
+    assert packed_shapes(tuple(x.shape), bits, 32, axis) == (tuple(q.codes.shape), tuple(q.scale.shape))
+    buffers = allocate(tuple(x.shape), bits, 32, axis, x.dtype, x.device)
+    assert [(t.shape, t.dtype) for t in buffers] == [(t.shape, t.dtype) for t in q]
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
