@@ -24,8 +24,8 @@ import triton.testing
 
 from kernels import dense_decode
 from kernels.decode_attention import decode_attention_tensors, default_num_splits
-from kernels.quantize import quantize_into
-from kivi.quant import Quantized, allocate
+from kernels.quantize import quantize, quantize_into
+from kivi.quant import allocate
 
 SHAPES = {"llama2-7b": (32, 32, 128), "gqa-32/8": (32, 8, 128)}  # query heads, KV heads, head_dim
 BATCHES = (1, 8, 32)
@@ -71,8 +71,8 @@ def kivi_args(keys: torch.Tensor, values: torch.Tensor, bits: int) -> dict:
     batch, kv_heads, tokens, dim = keys.shape
     n_rk = (tokens - 1) % RESIDUAL + 1
     n_rv = min(tokens, RESIDUAL + 1)
-    kq = _quantize(keys[:, :, : tokens - n_rk], bits, "channel")
-    vq = _quantize(values[:, :, : tokens - n_rv], bits, "token")
+    kq = quantize(keys[:, :, : tokens - n_rk], bits, GROUP, "channel")
+    vq = quantize(values[:, :, : tokens - n_rv], bits, GROUP, "token")
     counts = torch.tensor([[0] * batch, [tokens - n_rk] * batch, [tokens - n_rv] * batch, [tokens] * batch], dtype=torch.int32)
     sink = keys.new_empty(batch, kv_heads, 0, dim)
     return dict(
@@ -80,10 +80,6 @@ def kivi_args(keys: torch.Tensor, values: torch.Tensor, bits: int) -> dict:
         v_sink=sink, v_codes=vq.codes, v_scale=vq.scale, v_zero=vq.zero, v_resid=values[:, :, tokens - n_rv :].contiguous(),
         counts=counts.cuda(), k_bits=bits, v_bits=bits, group_size=GROUP,
     )
-
-
-def _quantize(x: torch.Tensor, bits: int, axis: str) -> Quantized:
-    return quantize_into(x, allocate(tuple(x.shape), bits, GROUP, axis, x.dtype, x.device, fill=torch.empty), bits, GROUP, axis)
 
 
 def kivi_bytes(args: dict, query: torch.Tensor) -> int:

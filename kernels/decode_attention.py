@@ -70,10 +70,16 @@ def _code_slice(words, J: tl.constexpr, BITS: tl.constexpr, GPU: tl.constexpr):
 
 
 @triton.jit
+def _hi_lo(x, DTYPE: tl.constexpr):
+    """fp32 x as two DTYPE (16-bit) parts, hi + lo = x to ~2^-22 (fp16) or ~2^-16 (bf16)."""
+    hi = x.to(DTYPE)
+    return hi, (x - hi.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
 def _split16(x):
     """fp32 [A, B, D] -> fp16 [A * B * 2, D]: rows (a, b, hi) and (a, b, lo), hi + lo = x to ~2^-22."""
-    hi = x.to(tl.float16)
-    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    hi, lo = _hi_lo(x, tl.float16)
     both = tl.permute(tl.join(hi, lo), (0, 1, 3, 2))  # [A, B, 2, D]
     return tl.reshape(both, (x.shape[0] * x.shape[1] * 2, x.shape[2]))
 
@@ -157,8 +163,7 @@ def _dot_split(a, b, acc, GPU: tl.constexpr):
     """acc + a @ b with a [M, K] fp32 and b [K, N] exact in its 16-bit dtype. On the GPU: two tensor-core dots,
     a's high and low 16-bit parts (near fp32); in the interpreter, which has no 16-bit dots, one fp32 dot."""
     if GPU:
-        hi = a.to(b.dtype)
-        lo = (a - hi.to(tl.float32)).to(b.dtype)
+        hi, lo = _hi_lo(a, b.dtype)
         return tl.dot(lo, b, tl.dot(hi, b, acc))
     else:
         return tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")

@@ -94,6 +94,11 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.float16 if torch.device(device).type == "cuda" else torch.float32
 
 
+def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """A config's model dtype ("auto" or a torch dtype name) for ``device``."""
+    return default_dtype(device) if name == "auto" else getattr(torch, name)
+
+
 def check_model_spec(spec: str) -> None:
     """Cheap validation before anything is loaded (used by config validation)."""
     if spec.startswith(RANDOM_PREFIX):

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from triton.testing import do_bench
 
 from kivi import KiviConfig
 from kivi.cache import model_head_dim
 from pipeline.config import RunConfig
-from pipeline.models import default_dtype, load_model_config, load_tokenizer
+from pipeline.models import load_model_config, load_tokenizer, resolve_dtype
 from pipeline.runner import request_budget
 from pipeline.store import Store
 
@@ -54,13 +54,17 @@ def kv_bytes_per_token_head(context: int, kivi: KiviConfig | None, head_dim: int
     return quantized(n_qk, kivi.k_bits) + quantized(n_qv, kivi.v_bits) + full
 
 
-def step_cost(model_config: PretrainedConfig, kivi: KiviConfig | None, prompt_lens: list[int], gen_len: int,
+def meta_model(model_config: PretrainedConfig) -> PreTrainedModel:
+    """The model's modules and shapes, without memory (meta device)."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config)
+
+
+def step_cost(model: PreTrainedModel, kivi: KiviConfig | None, prompt_lens: list[int], gen_len: int,
               item: int = 2) -> StepCost:
     """Mean cost of the gen_len - 1 decode steps of a batch (each sequence decodes gen_len tokens), 16-bit
-    weights and activations (``item`` bytes)."""
-    text = model_config.get_text_config(decoder=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+    weights and activations (``item`` bytes). ``model`` may live on the meta device."""
+    text = model.config.get_text_config(decoder=True)
     weights = sum(p.numel() for p in model.parameters())
     matmul_weights = weights - text.vocab_size * text.hidden_size  # the embedding is a lookup
     head_dim = model_head_dim(text)
@@ -72,12 +76,11 @@ def step_cost(model_config: PretrainedConfig, kivi: KiviConfig | None, prompt_le
     return StepCost(item * weights, kv, 2 * matmul_weights * len(prompt_lens) + attention_flops)
 
 
-def matmul_ms(model_config: PretrainedConfig, batch: int, dtype: torch.dtype = torch.float16) -> float:
+def matmul_ms(model: PreTrainedModel, batch: int, dtype: torch.dtype = torch.float16) -> float:
     """Measured CUDA time of one decode step's matmuls for ``batch`` sequences: each linear layer of the first
-    decoder layer times the layer count, plus the LM head, on random weights of the model's shapes."""
-    text = model_config.get_text_config(decoder=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+    decoder layer times the layer count, plus the LM head, on random weights of the model's shapes (``model``
+    may live on the meta device)."""
+    text = model.config.get_text_config(decoder=True)
     shapes = [m.weight.shape for m in model.get_decoder().layers[0].modules() if isinstance(m, torch.nn.Linear)]
     head = model.get_output_embeddings().weight.shape
     weights = [torch.randn(s, dtype=dtype, device="cuda") for s in shapes]
@@ -118,18 +121,18 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     config, points = best_points(args.run_id, args.archive)
     tokenizer = load_tokenizer(args.tokenizer or config.model.tokenizer or config.model.spec)
-    model_config = load_model_config(config.model.spec)
+    model = meta_model(load_model_config(config.model.spec))
     caches, workloads = config.kivi_configs(), config.build_workloads()
     budget = request_budget(config, tokenizer)
     requests = {name: w.requests(tokenizer, budget) for name, w in workloads.items() if w.kind == "throughput"}
     cuda = torch.cuda.is_available()
-    dtype = default_dtype("cuda") if config.model.dtype == "auto" else getattr(torch, config.model.dtype)
+    dtype = resolve_dtype(config.model.dtype, "cuda")
     print(f"{'cache':20} {'B':>5} {'step ms':>8} {'weights GB':>10} {'KV GB':>7} {'TFLOP':>6} {'bytes ms':>8} "
           f"{'FLOP ms':>8} {'roofline':>8} {'measured/roofline':>17}"
           + (f" {'matmul ms':>9} {'floor ms':>8} {'decode tok/s ceiling':>20}" if cuda else ""))
     for point in points:
         batch = requests[point["workload"]][: point["batch_size"]]
-        cost = step_cost(model_config, caches[point["cache"]], [r.meta["prompt_tokens"] for r in batch], point["gen_len"])
+        cost = step_cost(model, caches[point["cache"]], [r.meta["prompt_tokens"] for r in batch], point["gen_len"])
         bytes_ms = (cost.weight_bytes + cost.kv_bytes) / (args.copy_tbps * 1e9)
         flop_ms = cost.flops / (args.peak_tflops * 1e9)
         roof = max(bytes_ms, flop_ms)
@@ -137,7 +140,7 @@ def main(argv=None) -> None:
               f"{cost.kv_bytes / 1e9:7.2f} {cost.flops / 1e12:6.2f} {bytes_ms:8.2f} {flop_ms:8.2f} {roof:8.2f} "
               f"{point['step_ms'] / roof:17.2f}", end="")
         if cuda:
-            matmuls = matmul_ms(model_config, point["batch_size"], dtype)
+            matmuls = matmul_ms(model, point["batch_size"], dtype)
             floor = matmuls + cost.kv_bytes / (args.copy_tbps * 1e9)
             print(f" {matmuls:9.2f} {floor:8.2f} {point['batch_size'] * 1e3 / floor:20,.0f}", end="")
         print()

@@ -33,7 +33,7 @@ def main(argv=None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[3072, 4096])
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_model(args.model, device, torch.float16 if device.type == "cuda" else torch.float32)
+    model, tokenizer = load_model(args.model, device)  # fp16 on the GPU
     engine = Engine(model, tokenizer or load_tokenizer(args.tokenizer))
     niah = get_workload("niah", data_dir=args.data_dir or os.environ.get("KIVI_DATA_DIR"), lengths=args.lengths)
     requests = niah.requests(engine.tokenizer, max(args.lengths))

@@ -20,7 +20,7 @@ import torch
 from pipeline.archive import ArchiveWriter
 from pipeline.config import RunConfig
 from pipeline.engine import Engine, Generation
-from pipeline.models import default_dtype, load_model, load_tokenizer
+from pipeline.models import load_model, load_tokenizer, resolve_dtype
 from pipeline.workloads import Request, Workload
 
 # Fault injection for the failure tests: the worker process exits when it starts this shard the first time.
@@ -51,7 +51,7 @@ class EvalWorker:
         # "Multi-GPU"). The memory-efficient kernel is, so reruns and actors reproduce the fp16 baseline.
         torch.backends.cuda.enable_cudnn_sdp(False)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        dtype = default_dtype(self.device) if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+        dtype = resolve_dtype(cfg.model.dtype, self.device)
         model, tokenizer = load_model(cfg.model.spec, self.device, dtype)
         self.engine = Engine(model, tokenizer or load_tokenizer(cfg.model.tokenizer))
         self.workloads: dict[str, Workload] = cfg.build_workloads()

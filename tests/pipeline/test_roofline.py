@@ -3,7 +3,7 @@
 from transformers import LlamaConfig
 
 from kivi import KiviConfig
-from pipeline.roofline import kv_bytes_per_token_head, step_cost
+from pipeline.roofline import kv_bytes_per_token_head, meta_model, step_cost
 
 
 def test_kv_bytes_follow_the_flush_rules():
@@ -21,7 +21,7 @@ def test_step_cost_counts_weights_kv_and_flops():
     config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
     weights = 2 * 100 * 64 + 2 * (4 * 64 * 64 // 2 + 2 * 64 * 64 // 2 + 3 * 64 * 128 + 2 * 64) + 64  # + norms
-    cost = step_cost(config, None, prompt_lens=[10, 30], gen_len=3)  # steps see contexts 11, 12 and 31, 32
+    cost = step_cost(meta_model(config), None, prompt_lens=[10, 30], gen_len=3)  # steps see contexts 11, 12 and 31, 32
     assert cost.weight_bytes == 2 * weights
     assert cost.kv_bytes == 2 * 2 * (11 + 12 + 31 + 32) * 2 * 16 * 2 / 2
     matmul = weights - 100 * 64
