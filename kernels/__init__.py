@@ -3,4 +3,10 @@
 package does not re-export their functions, whose names would shadow the modules.
 
 Oracles: kivi.quant (quantization, layout) and kivi.attention (attention), via kernels.data.reference_decode.
+
+Compile variants: Triton compiles a kernel again for each new pattern of its integer arguments (equal to 1,
+divisible by 16). Arguments that follow prompt lengths, batch, split counts or buffer capacities are marked
+``do_not_specialize``, so a kernel compiles once per model shape and cache configuration, not again (seconds
+each) whenever a new length comes along; strides that are multiples of the head size keep their alignment hints.
+tests/kernels/test_compile_variants.py checks the compile keys.
 """

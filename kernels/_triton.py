@@ -57,16 +57,16 @@ def store_split(acc, m_i, l_i, out_ptr, lse_ptr, b, h, split, kv_heads, num_spli
         tl.store(lse_ptr + row, tl.where(seen, m_i + tl.log2(l_i), float("-inf")), mask=m < HG)
 
 
-@triton.jit
-def _merge_kernel(part_ptr, lse_ptr, out_ptr, q_heads, stride_ob, stride_oh,
-                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, q_heads, num_splits, stride_ob, stride_oh,
+                  HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr):
     """out[b, h] = sum_s 2^(lse_s - max) * part_s / sum_s 2^(lse_s - max); part [B, Hq, S, D] fp32, lse [B, Hq, S]."""
     bh = tl.program_id(0)
     s = tl.arange(0, SPLITS_P2)
     d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(lse_ptr + bh * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    lse = tl.load(lse_ptr + bh * num_splits + s, mask=s < num_splits, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, axis=0))
-    part = tl.load(part_ptr + (bh * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    part = tl.load(part_ptr + (bh * num_splits + s)[:, None] * HEAD_DIM + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
     o = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
     off = (bh // q_heads).to(tl.int64) * stride_ob + (bh % q_heads) * stride_oh + d
     tl.store(out_ptr + off, round_to(o, out_ptr.dtype.element_ty))
@@ -86,5 +86,5 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> No
     """Combine split-KV partial results: part fp32 [B, Hq, S, D] (each normalized by its own sum), lse fp32
     [B, Hq, S] (log2 of each split's sum of 2^logits, -inf for a split that saw no token) into out [B, Hq, 1, D]."""
     batch, q_heads, splits, dim = part.shape
-    _merge_kernel[(batch * q_heads,)](part, lse, out, q_heads, out.stride(0), out.stride(1),
-                                      HEAD_DIM=dim, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits))
+    _merge_kernel[(batch * q_heads,)](part, lse, out, q_heads, splits, out.stride(0), out.stride(1),
+                                      HEAD_DIM=dim, SPLITS_P2=triton.next_power_of_2(splits))

@@ -255,7 +255,7 @@ def _group_broadcast(x, GROUP: tl.constexpr):
     return tl.reshape(tl.broadcast_to(x[:, :, None], (x.shape[0], x.shape[1], GROUP)), (x.shape[0], x.shape[1] * GROUP))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "num_splits", "sink_rows", "kc_rows", "ks_rows", "kr_rows", "vc_rows", "vr_rows"])
 def _decode_kernel(
     q_ptr,  # [B, Hq, D] (query with q_len squeezed), strides stride_qb, stride_qh, 1
     out_ptr,  # SINGLE: final [B, Hq, D] (strides stride_ob, stride_oh, 1); else fp32 partials [B, Hq, num_splits, D]

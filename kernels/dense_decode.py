@@ -17,7 +17,7 @@ from kernels._triton import LOG2E, merge_splits, split_count, split_targets, sto
 BLOCK_N = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "capacity"])
 def _dense_decode_kernel(
     q_ptr,  # [B, Hq, D] (q_len squeezed), strides stride_qb, stride_qh, 1
     k_ptr, v_ptr,  # [B, Hkv, capacity, D] contiguous

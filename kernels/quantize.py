@@ -90,7 +90,7 @@ def _channel_words(x, DTYPE: tl.constexpr, BITS: tl.constexpr, RECIPROCAL: tl.co
     return words, scale, zero
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _quantize_channel_kernel(
     x_ptr,  # [B, H, T, D] any strides; T % GROUP == 0
     codes_ptr,  # int32 [B, H, T // CPW, D]
@@ -140,7 +140,7 @@ def _quantize_channel_kernel(
         tl.store(codes_ptr + word_off, word, mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _quantize_token_kernel(
     x_ptr,  # [B, H, T, D] any strides; D % GROUP == 0
     codes_ptr,  # int32 [B, H, T, D // CPW]
@@ -181,7 +181,7 @@ def _quantize_token_kernel(
     tl.store(zero_ptr + s_off, zero, mask=s_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["kc_rows", "vc_rows"])
 def _flush_kernel(
     kr_ptr,  # key residual [B, H, KEY_BLOCK, D]: position i at row i % KEY_BLOCK
     vr_ptr,  # value ring [B, H, WINDOW + 1, D]: position i at row i % (WINDOW + 1)

@@ -98,7 +98,7 @@ RUNS = TableSpec(
         ("started_at", _TS), ("finished_at", _TS),
         ("versions", pa.string()),  # JSON: torch, transformers, triton, kernel hash
         ("skipped", pa.string()),  # JSON: {workload: {reason: count}} of malformed records left out
-        ("placements", pa.string()),  # JSON: per actor host, pid, device, Ray GPU ids, GPU UUID, jobs finished
+        ("placements", pa.string()),  # JSON: per actor host, pid, device, Ray GPU ids, GPU UUID, start-up seconds, jobs finished
     ]),
     partitions=("run_id",),
     required=("run_id", "kind", "status", "started_at"),

@@ -73,7 +73,8 @@ def _header(store: Store, run_id: str) -> str:
 def _actor(placement: dict[str, Any]) -> str:
     gpu = f" GPU {','.join(placement['ray_gpu_ids'])}" if placement["ray_gpu_ids"] else ""
     uuid = f" ({placement['gpu_uuid'][:8]}…)" if placement["gpu_uuid"] else ""
-    return f"{placement['host']} pid {placement['pid']} {placement['device']}{gpu}{uuid}: {placement['jobs']} jobs"
+    ready = f", ready after {placement['ready_s']} s (constructor {placement['load_s']} s)" if "ready_s" in placement else ""
+    return f"{placement['host']} pid {placement['pid']} {placement['device']}{gpu}{uuid}: {placement['jobs']} jobs{ready}"
 
 
 def _scores(store: Store, run_id: str, out: Path) -> str:

@@ -7,6 +7,7 @@ import hashlib
 import importlib.metadata
 import os
 import subprocess
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,8 +106,9 @@ def _execute(config: RunConfig, ctx: RunContext, shard_jobs, sweep_jobs, summary
 
 def _in_process(ctx: RunContext, jobs: list, summary: RunSummary):
     """The same worker without Ray: one model load in this process, jobs in order (hosts without Ray, debugging)."""
+    requested = time.perf_counter()
     worker = EvalWorker(ctx)
-    summary.placements = [worker.placement() | {"jobs": 0}]
+    summary.placements = [worker.placement() | {"ready_s": round(time.perf_counter() - requested, 1), "jobs": 0}]
     for kind, job in jobs:
         worker.run_shard(*job) if kind == "shard" else worker.run_sweep(*job)
         yield 0, kind, job
@@ -128,8 +130,15 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
     actor_cls = ray.remote(max_restarts=config.ray.max_retries, max_task_retries=config.ray.max_retries)(EvalWorker)
     if CRASH_ONCE_ENV in os.environ:  # fault injection reaches actors of an already running cluster too
         resources["runtime_env"] = {"env_vars": {CRASH_ONCE_ENV: os.environ[CRASH_ONCE_ENV]}}
+    requested = time.perf_counter()
     actors = [actor_cls.options(**resources).remote(ctx) for _ in range(n_actors)]
-    summary.placements = [p | {"jobs": 0} for p in ray.get([a.placement.remote() for a in actors])]
+    # Each actor's start-up (scheduling, imports, model load): paid once per actor, concurrently, so it is the
+    # part of a run that more GPUs cannot shorten.
+    pending = {a.placement.remote(): i for i, a in enumerate(actors)}
+    summary.placements = [{}] * n_actors
+    while pending:
+        (ref,), _ = ray.wait(list(pending))
+        summary.placements[pending.pop(ref)] = ray.get(ref) | {"ready_s": round(time.perf_counter() - requested, 1), "jobs": 0}
     idle, running = list(range(n_actors)), {}
     try:
         while jobs or running:

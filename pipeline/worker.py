@@ -44,6 +44,7 @@ class Shard:
 
 class EvalWorker:
     def __init__(self, ctx: RunContext):
+        began = time.perf_counter()
         self.ctx, cfg = ctx, ctx.config
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # cuDNN's fused attention, PyTorch's first choice for masked fp16 SDPA on Hopper, is not run-to-run
@@ -57,6 +58,7 @@ class EvalWorker:
         self.workloads: dict[str, Workload] = cfg.build_workloads()
         self.caches = cfg.kivi_configs()
         self.archive = ArchiveWriter(cfg.archive, ctx.run_id)
+        self.load_s = time.perf_counter() - began
 
     def placement(self) -> dict:
         """Where this worker runs: what a multi-GPU run reports per actor."""
@@ -71,7 +73,8 @@ class EvalWorker:
                     cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                     gpu_name=self.device_name if cuda else None,
                     # The physical GPU, whatever index CUDA_VISIBLE_DEVICES gives it in this process.
-                    gpu_uuid=str(torch.cuda.get_device_properties(self.device).uuid) if cuda else None)
+                    gpu_uuid=str(torch.cuda.get_device_properties(self.device).uuid) if cuda else None,
+                    load_s=round(self.load_s, 1))  # model load and workloads, in this worker's constructor
 
     def run_shard(self, shard: Shard, caches: list[str]) -> dict[str, int]:
         """Generate, score and write one shard under each named cache; returns rows written per cache."""

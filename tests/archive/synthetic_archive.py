@@ -100,7 +100,8 @@ def build_archive(root: Path) -> Path:
     write_sweep(a, K4, K4_SWEEP, 0.625)
     a.update_run_status("complete", skipped={"longbench": {"empty context": 2}, "gsm8k": {"no numeric answer": 1}},
                         placements=[{"host": "node1", "pid": 7, "device": "cuda", "ray_gpu_ids": ["1"],
-                                     "gpu_uuid": "22c5e003-4887-0110-d030-ff6642917d1a", "jobs": 9}])
+                                     "gpu_uuid": "22c5e003-4887-0110-d030-ff6642917d1a", "load_s": 9.8, "ready_s": 21.4,
+                                     "jobs": 9}])
 
     b = ArchiveWriter(root, "canary-b")
     b.write_run({"kind": "canary", "model": MODEL, "baseline_run_id": "nightly-a", "config_yaml": CONFIG_YAML})

@@ -62,7 +62,7 @@ def test_the_header_verdicts_skipped_counts_and_config_are_reported(report: Path
     assert "## Gate: 4 of 6 verdicts passed" in text and "**FAIL**" in text
     assert "| longbench | empty context     | 1" not in text and "| longbench | empty context     | 2" in text
     assert "```yaml\nmodel: smollm2-135m" in text
-    assert "| actor 0      | node1 pid 7 cuda GPU 1 (22c5e003…): 9 jobs" in text
+    assert "| actor 0      | node1 pid 7 cuda GPU 1 (22c5e003…): 9 jobs, ready after 21.4 s (constructor 9.8 s)" in text
 
 
 def test_a_run_with_only_gsm8k_gets_a_report_without_the_missing_sections(tmp_path: Path) -> None:

@@ -49,6 +49,7 @@ def test_a_killed_actor_is_replaced_and_the_archive_has_one_row_per_request_and_
     # Both actors took shards: each reports its process and the jobs it finished.
     assert len({p["pid"] for p in summary.placements}) == 2
     assert sum(p["jobs"] for p in summary.placements) == 6 and min(p["jobs"] for p in summary.placements) >= 1
+    assert all(p["ready_s"] > p["load_s"] > 0 for p in summary.placements)  # start-up includes the model load
     with Store(config.archive) as store:
         (skipped, placements), = store.query("SELECT skipped, placements FROM runs WHERE run_id = $1", [summary.run_id])[1]
     assert sum(json.loads(skipped)["gsm8k"].values()) == 2

@@ -1,0 +1,106 @@
+"""Each kernel compiles once per model shape and cache configuration, not once per length pattern.
+
+Triton compiles a kernel again for every new pattern of its integer arguments (equal to 1, divisible by 16)
+unless they are marked ``do_not_specialize``. Arguments that follow prompt lengths, batch, split counts or
+buffer capacities would make a run recompile (seconds each on the GPU) whenever a new length comes along.
+Here every launch is recorded instead of run, and its compile key computed for an sm_90 GPU, as Triton's
+launcher computes it there.
+"""
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+import kernels._triton as triton_helpers
+import kernels.decode_attention as decode_module
+import kernels.dense_decode as dense_module
+import kernels.quantize as quantize_module
+from kernels.data import fill_streams, outlier_kv
+from kivi.config import KiviConfig
+from kivi.quant import allocate
+
+BACKEND = make_backend(GPUTarget("cuda", 90, 32))
+
+
+def compile_key(kernel, *args, **kwargs) -> str:
+    """Triton's compile key for a launch with these arguments on sm_90 (the interpreter wraps the same function)."""
+    jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+    _, specialization, options = create_function_from_signature(jit.signature, jit.params, BACKEND)(*args, **kwargs)
+    return f"{specialization} {sorted(options.items())}"
+
+
+class Launches:
+    """Stands in for a kernel: records each launch's compile key, runs nothing."""
+
+    def __init__(self, kernel):
+        self.kernel, self.keys = kernel, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.keys.append(compile_key(self.kernel, *args, **kwargs))
+
+
+@pytest.fixture
+def record(monkeypatch):
+    def record(module, name: str) -> Launches:
+        launches = Launches(getattr(module, name))
+        monkeypatch.setattr(module, name, launches)
+        return launches
+
+    return record
+
+
+def test_decode_attention_compiles_once_per_split_mode(record):
+    decode = record(decode_module, "_decode_kernel")
+    merge = record(triton_helpers, "_merge_kernel")
+    config = KiviConfig(group_size=32, residual_length=32)
+    gen = torch.Generator().manual_seed(0)
+    merged_splits = []
+    # Lengths whose capacities (rows of codes, scales, residuals) fall on every side of 1 and of multiples of 16.
+    for lengths in ([611, 77, 333], [992], [1022, 4], [2016, 2046, 100, 3]):
+        keys, values = outlier_kv(len(lengths), 2, max(lengths), 64, torch.float16, "cpu", gen)
+        key_stream, value_stream = fill_streams(keys, values, lengths, config)
+        query = torch.randn(len(lengths), 4, 1, 64, generator=gen).half()
+        for num_splits in (1, 2, 3, 5, 16):
+            decode_module.decode_attention(query, key_stream, value_stream, 0.125, num_splits=num_splits)
+            merged_splits += [num_splits] if num_splits > 1 else []
+    assert len(decode.keys) == 20 and len(set(decode.keys)) == 2  # one split, or several (partials + merge)
+    assert len(set(merge.keys)) == len({triton.next_power_of_2(s) for s in merged_splits})
+
+
+def test_dense_decode_compiles_once_per_split_mode(record):
+    dense = record(dense_module, "_dense_decode_kernel")
+    record(triton_helpers, "_merge_kernel")
+    gen = torch.Generator().manual_seed(1)
+    for batch, capacity in ((1, 100), (3, 128), (4, 1000), (16, 4096)):
+        keys, values = outlier_kv(batch, 2, capacity, 64, torch.float16, "cpu", gen)
+        query = torch.randn(batch, 4, 1, 64, generator=gen).half()
+        lengths = torch.randint(1, capacity + 1, (batch,), generator=gen, dtype=torch.int32)
+        for num_splits in (1, 3, 16):
+            dense_module.dense_decode_attention(query, keys, values, lengths, 0.125, num_splits)
+    assert len(dense.keys) == 12 and len(set(dense.keys)) == 2
+
+
+@pytest.mark.parametrize("axis, token_counts", [("channel", (32, 96, 160, 1024, 4064)), ("token", (1, 7, 100, 4093, 4096))])
+def test_quantize_compiles_once_per_axis(record, axis, token_counts):
+    name = "_quantize_channel_kernel" if axis == "channel" else "_quantize_token_kernel"
+    launches = record(quantize_module, name)
+    gen = torch.Generator().manual_seed(2)
+    for tokens in token_counts:
+        quantize_module.quantize(torch.randn(2, 3, tokens, 64, generator=gen).half(), 2, 32, axis)
+    assert len(launches.keys) == len(token_counts) and len(set(launches.keys)) == 1
+
+
+def test_flush_compiles_once_per_configuration(record):
+    flush = record(quantize_module, "_flush_kernel")
+    batch, heads, dim, group, window = 2, 3, 64, 32, 32
+    for capacity in (32, 416, 512, 4096, 4128):
+        keys = allocate((batch, heads, capacity, dim), 2, group, "channel", torch.float16, "cpu")
+        values = allocate((batch, heads, capacity, dim), 2, group, "token", torch.float16, "cpu")
+        key_resid = torch.randn(batch, heads, group, dim).half()
+        value_ring = torch.randn(batch, heads, window + 1, dim).half()
+        positions = torch.tensor([capacity - 1, capacity // 2], dtype=torch.int32)
+        quantize_module.flush_step(key_resid, value_ring, keys, values, positions, 2, 2, group)
+    assert len(flush.keys) == 5 and len(set(flush.keys)) == 1
