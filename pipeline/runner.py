@@ -134,11 +134,11 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
     actors = [actor_cls.options(**resources).remote(ctx) for _ in range(n_actors)]
     # Each actor's start-up (scheduling, imports, model load): paid once per actor, concurrently, so it is the
     # part of a run that more GPUs cannot shorten.
-    pending = {a.placement.remote(): i for i, a in enumerate(actors)}
-    summary.placements = [{}] * n_actors
+    pending, ready = {a.placement.remote(): i for i, a in enumerate(actors)}, {}
     while pending:
         (ref,), _ = ray.wait(list(pending))
-        summary.placements[pending.pop(ref)] = ray.get(ref) | {"ready_s": round(time.perf_counter() - requested, 1), "jobs": 0}
+        ready[pending.pop(ref)] = ray.get(ref) | {"ready_s": round(time.perf_counter() - requested, 1), "jobs": 0}
+    summary.placements = [ready[i] for i in range(n_actors)]
     idle, running = list(range(n_actors)), {}
     try:
         while jobs or running:
