@@ -104,11 +104,17 @@ def _execute(config: RunConfig, ctx: RunContext, shard_jobs, sweep_jobs, summary
             summary.sweeps.append(job[2])
 
 
+def _started(placement: dict, requested: float) -> dict:
+    """A worker's placement, its start-up seconds since ``requested`` (scheduling, imports, model load: paid once
+    per actor, concurrently, so the part of a run that more GPUs cannot shorten) and its job count."""
+    return placement | {"ready_s": round(time.perf_counter() - requested, 1), "jobs": 0}
+
+
 def _in_process(ctx: RunContext, jobs: list, summary: RunSummary):
     """The same worker without Ray: one model load in this process, jobs in order (hosts without Ray, debugging)."""
     requested = time.perf_counter()
     worker = EvalWorker(ctx)
-    summary.placements = [worker.placement() | {"ready_s": round(time.perf_counter() - requested, 1), "jobs": 0}]
+    summary.placements = [_started(worker.placement(), requested)]
     for kind, job in jobs:
         worker.run_shard(*job) if kind == "shard" else worker.run_sweep(*job)
         yield 0, kind, job
@@ -132,12 +138,10 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
         resources["runtime_env"] = {"env_vars": {CRASH_ONCE_ENV: os.environ[CRASH_ONCE_ENV]}}
     requested = time.perf_counter()
     actors = [actor_cls.options(**resources).remote(ctx) for _ in range(n_actors)]
-    # Each actor's start-up (scheduling, imports, model load): paid once per actor, concurrently, so it is the
-    # part of a run that more GPUs cannot shorten.
     pending, ready = {a.placement.remote(): i for i, a in enumerate(actors)}, {}
-    while pending:
+    while pending:  # stamped as each comes up
         (ref,), _ = ray.wait(list(pending))
-        ready[pending.pop(ref)] = ray.get(ref) | {"ready_s": round(time.perf_counter() - requested, 1), "jobs": 0}
+        ready[pending.pop(ref)] = _started(ray.get(ref), requested)
     summary.placements = [ready[i] for i in range(n_actors)]
     idle, running = list(range(n_actors)), {}
     try:
