@@ -10,44 +10,24 @@ launcher computes it there.
 import pytest
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import make_backend
-from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import kernels._triton as triton_helpers
 import kernels.decode_attention as decode_module
 import kernels.dense_decode as dense_module
 import kernels.quantize as quantize_module
 from kernels.data import fill_streams, outlier_kv
+from kernels.sass import Launches, compile_key
 from kivi.config import KiviConfig
 from kivi.quant import allocate
-
-BACKEND = make_backend(GPUTarget("cuda", 90, 32))
-
-
-def compile_key(kernel, *args, **kwargs) -> str:
-    """Triton's compile key for a launch with these arguments on sm_90 (the interpreter wraps the same function)."""
-    jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
-    _, specialization, options = create_function_from_signature(jit.signature, jit.params, BACKEND)(*args, **kwargs)
-    return f"{specialization} {sorted(options.items())}"
-
-
-class Launches:
-    """Stands in for a kernel: records each launch's compile key, runs nothing."""
-
-    def __init__(self, kernel):
-        self.kernel, self.keys = kernel, []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.keys.append(compile_key(self.kernel, *args, **kwargs))
 
 
 @pytest.fixture
 def record(monkeypatch):
-    def record(module, name: str) -> Launches:
+    """record(module, kernel name) -> a function giving the compile keys of the launches made since."""
+    def record(module, name: str):
         launches = Launches(getattr(module, name))
         monkeypatch.setattr(module, name, launches)
-        return launches
+        return lambda: [compile_key(launches.kernel, *args, **kwargs) for args, kwargs in launches.calls]
 
     return record
 
@@ -66,8 +46,9 @@ def test_decode_attention_compiles_once_per_split_mode(record):
         for num_splits in (1, 2, 3, 5, 16):
             decode_module.decode_attention(query, key_stream, value_stream, 0.125, num_splits=num_splits)
             merged_splits += [num_splits] if num_splits > 1 else []
-    assert len(decode.keys) == 20 and len(set(decode.keys)) == 2  # one split, or several (partials + merge)
-    assert len(set(merge.keys)) == len({triton.next_power_of_2(s) for s in merged_splits})
+    keys = decode()
+    assert len(keys) == 20 and len(set(keys)) == 2  # one split, or several (partials + merge)
+    assert len(set(merge())) == len({triton.next_power_of_2(s) for s in merged_splits})
 
 
 def test_dense_decode_compiles_once_per_split_mode(record):
@@ -80,7 +61,8 @@ def test_dense_decode_compiles_once_per_split_mode(record):
         lengths = torch.randint(1, capacity + 1, (batch,), generator=gen, dtype=torch.int32)
         for num_splits in (1, 3, 16):
             dense_module.dense_decode_attention(query, keys, values, lengths, 0.125, num_splits)
-    assert len(dense.keys) == 12 and len(set(dense.keys)) == 2
+    keys = dense()
+    assert len(keys) == 12 and len(set(keys)) == 2
 
 
 @pytest.mark.parametrize("axis, token_counts", [("channel", (32, 96, 160, 1024, 4064)), ("token", (1, 7, 100, 4093, 4096))])
@@ -90,7 +72,8 @@ def test_quantize_compiles_once_per_axis(record, axis, token_counts):
     gen = torch.Generator().manual_seed(2)
     for tokens in token_counts:
         quantize_module.quantize(torch.randn(2, 3, tokens, 64, generator=gen).half(), 2, 32, axis)
-    assert len(launches.keys) == len(token_counts) and len(set(launches.keys)) == 1
+    keys = launches()
+    assert len(keys) == len(token_counts) and len(set(keys)) == 1
 
 
 def test_flush_compiles_once_per_configuration(record):
@@ -103,4 +86,5 @@ def test_flush_compiles_once_per_configuration(record):
         value_ring = torch.randn(batch, heads, window + 1, dim).half()
         positions = torch.tensor([capacity - 1, capacity // 2], dtype=torch.int32)
         quantize_module.flush_step(key_resid, value_ring, keys, values, positions, 2, 2, group)
-    assert len(flush.keys) == 5 and len(set(flush.keys)) == 1
+    keys = flush()
+    assert len(keys) == 5 and len(set(keys)) == 1
