@@ -4,7 +4,11 @@
 
 Each prompt runs twice under KIVI-2 (G = 32, R = 128): KiviCache(use_kernels=True), whose decode steps
 use kernels.decode_attention and kernels.quantize, and use_kernels=False, the kivi/ oracle. Where the
-tokens first differ, the gap between the oracle's two best logits at that step shows whether it was a tie.
+tokens first differ, the gap between the oracle's two best logits at that step shows whether it was a tie,
+and the quantized keys and values of the two caches (positions before that token) whether rounding-level
+differences in earlier steps already flipped codes: a block flushed during generation holds generated
+tokens, whose keys differ slightly between the paths, and a key at a rounding boundary (or a group's new
+minimum or maximum) then takes another code, a change of a whole quantization step.
 """
 
 from __future__ import annotations
@@ -22,7 +26,21 @@ def _generate(model, ids, use_kernels: bool, new_tokens: int):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, past_key_values=KiviCache(model.config, KiviConfig(), use_kernels),
                          output_scores=True, return_dict_in_generate=True)
-    return out.sequences[0, ids.shape[1]:], out.scores
+    return out.sequences[0, ids.shape[1]:], out.scores, out.past_key_values
+
+
+def _quantized_differences(fused: KiviCache, oracle: KiviCache, positions: int) -> tuple[int, int]:
+    """(differing, compared) dequantized key and value elements of the two caches among the first
+    ``positions`` tokens that both quantized."""
+    differing = compared = 0
+    for a, b in zip(fused.layers, oracle.layers):
+        for x, y in ((a.key_stream, b.key_stream), (a.value_stream, b.value_stream)):
+            n = min(x.n_quant[0], y.n_quant[0], positions - x.n_sink[0])
+            if n > 0:
+                dx, dy = x.dequantized()[:, :, :n], y.dequantized()[:, :, :n]
+                differing += int((dx != dy).sum())
+                compared += dx.numel()
+    return differing, compared
 
 
 def main(argv=None) -> int:
@@ -35,12 +53,12 @@ def main(argv=None) -> int:
     enable_kivi(model)
     text_ids = tokenizer(Path(args.text).read_text(), return_tensors="pt").input_ids.cuda()
     same = 0
-    print(f"{'prompt':>7} {'equal':>6} {'first diff':>10} {'oracle top-2 gap':>17}")
+    print(f"{'prompt':>7} {'equal':>6} {'first diff':>10} {'oracle top-2 gap':>17} {'quantized K/V differing before it':>34}")
     with torch.inference_mode():
         for length in (300, 600, 900, 1200):
             ids = text_ids[:, :length]
-            fused, _ = _generate(model, ids, True, args.tokens)
-            oracle, scores = _generate(model, ids, False, args.tokens)
+            fused, _, fused_cache = _generate(model, ids, True, args.tokens)
+            oracle, scores, oracle_cache = _generate(model, ids, False, args.tokens)
             diff = (fused != oracle).nonzero()
             if len(diff) == 0:
                 same += 1
@@ -48,7 +66,8 @@ def main(argv=None) -> int:
                 continue
             step = int(diff[0])
             top2 = scores[step][0].float().topk(2).values
-            print(f"{length:>7} {'no':>6} {step:>10} {float(top2[0] - top2[1]):>17.4f}")
+            differing, compared = _quantized_differences(fused_cache, oracle_cache, length + step)
+            print(f"{length:>7} {'no':>6} {step:>10} {float(top2[0] - top2[1]):>17.4f} {f'{differing} of {compared}':>34}")
     print(f"{same}/4 prompts give identical {args.tokens}-token greedy continuations")
     return 0
 
