@@ -28,6 +28,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+import kernels.decode_attention as decode_module
+import kernels.quantize as quantize_module
+from kernels.data import fill_streams
+from kivi.config import KiviConfig
+from kivi.quant import allocate
+
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -89,13 +95,12 @@ def sass(compiled) -> Sass:
         usage = subprocess.run([TOOLS / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
         listing = subprocess.run([TOOLS / "nvdisasm", "-c", cubin], capture_output=True, text=True, check=True).stdout
     registers, stack = (int(v) for v in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
-    addresses, opcodes, labels, pending = [], [], {}, []
+    opcodes, labels, pending = [], {}, []
     for line in listing.splitlines():
         if label := re.match(r"\s*\.(L_x_\d+):", line):
             pending.append(label.group(1))
-        elif ins := re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?)\s*;", line):
-            addresses.append(int(ins.group(1), 16))
-            opcodes.append(re.sub(r"^@!?U?P\w+\s+", "", ins.group(2)))
+        elif ins := re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;", line):
+            opcodes.append(re.sub(r"^@!?U?P\w+\s+", "", ins.group(1)))
             labels.update((name, len(opcodes) - 1) for name in pending)
             pending = []
     loops = []
@@ -113,9 +118,6 @@ def mix(opcodes: list[str]) -> collections.Counter:
 
 def quantize_report(bits: int, axis: str, dtype: torch.dtype = torch.float16) -> tuple[Sass, float]:
     """The launch ``quantize_into`` makes for x [8, 32, 4096, 128]: its SASS and instructions per element."""
-    import kernels.quantize as quantize_module
-    from kivi.quant import allocate
-
     x = torch.empty(8, 32, 4096, 128, dtype=dtype)
     name = "_quantize_channel_kernel" if axis == "channel" else "_quantize_token_kernel"
     launches = Launches(getattr(quantize_module, name))
@@ -133,10 +135,6 @@ def quantize_report(bits: int, axis: str, dtype: torch.dtype = torch.float16) ->
 def decode_report(q_heads: int, kv_heads: int, bits: int) -> tuple[Sass, float]:
     """The decode kernel for head_dim 128, G = 32, R = 128 and several splits: its SASS and the fast-tile
     loop's warp-instructions per (token, KV head)."""
-    import kernels.decode_attention as decode_module
-    from kernels.data import fill_streams
-    from kivi.config import KiviConfig
-
     config = KiviConfig(k_bits=bits, v_bits=bits, group_size=32, residual_length=128)
     keys = values = torch.randn(1, kv_heads, 1024, 128).half()
     key_stream, value_stream = fill_streams(keys, values, [1024], config)
