@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
@@ -66,7 +67,7 @@ def compile_sm90(kernel, *args, **kwargs):
 
 
 class Launches:
-    """Stands in for a kernel (``module.kernel = Launches(module.kernel)``): records each launch, runs nothing."""
+    """Stands in for a kernel (patched over ``module.kernel``): records each launch, runs nothing."""
 
     def __init__(self, kernel):
         self.kernel, self.calls = kernel, []
@@ -88,7 +89,7 @@ class Sass:
         return max(self.loops, key=len)
 
 
-def sass(compiled) -> Sass:
+def disassemble(compiled) -> Sass:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
@@ -116,18 +117,14 @@ def mix(opcodes: list[str]) -> collections.Counter:
     return collections.Counter(op.split(".")[0] for op in opcodes)
 
 
-def quantize_report(bits: int, axis: str, dtype: torch.dtype = torch.float16) -> tuple[Sass, float]:
-    """The launch ``quantize_into`` makes for x [8, 32, 4096, 128]: its SASS and instructions per element."""
-    x = torch.empty(8, 32, 4096, 128, dtype=dtype)
+def quantize_report(bits: int, axis: str) -> tuple[Sass, float]:
+    """The launch ``quantize_into`` makes for x fp16 [8, 32, 4096, 128]: its SASS and instructions per element."""
+    x = torch.empty(8, 32, 4096, 128, dtype=torch.float16)
     name = "_quantize_channel_kernel" if axis == "channel" else "_quantize_token_kernel"
-    launches = Launches(getattr(quantize_module, name))
-    setattr(quantize_module, name, launches)
-    try:
+    with mock.patch.object(quantize_module, name, Launches(getattr(quantize_module, name))) as launches:
         quantize_module.quantize_into(x, allocate(tuple(x.shape), bits, 32, axis, x.dtype, "cpu"), bits, 32, axis)
-    finally:
-        setattr(quantize_module, name, launches.kernel)
     args, kwargs = launches.calls[0]
-    code = sass(compile_sm90(launches.kernel, *args, **kwargs))
+    code = disassemble(compile_sm90(launches.kernel, *args, **kwargs))
     tokens = kwargs["GROUPS"] * 32 if axis == "channel" else kwargs["BLOCK_T"]
     return code, len(code.instructions) * code.warps * 32 / (tokens * x.shape[-1])
 
@@ -138,14 +135,12 @@ def decode_report(q_heads: int, kv_heads: int, bits: int) -> tuple[Sass, float]:
     config = KiviConfig(k_bits=bits, v_bits=bits, group_size=32, residual_length=128)
     keys = values = torch.randn(1, kv_heads, 1024, 128).half()
     key_stream, value_stream = fill_streams(keys, values, [1024], config)
-    launches = Launches(decode_module._decode_kernel)
-    decode_module._decode_kernel, merge = launches, decode_module.merge_splits
-    decode_module.merge_splits = lambda *args: None
-    try:
-        decode_module.decode_attention(torch.randn(1, q_heads, 1, 128).half(), key_stream, value_stream, 0.088, num_splits=4)
-    finally:
-        decode_module._decode_kernel, decode_module.merge_splits = launches.kernel, merge
-    code = sass(compile_sm90(launches.kernel, *launches.calls[0][0], **launches.calls[0][1]))
+    query = torch.randn(1, q_heads, 1, 128).half()
+    with (mock.patch.object(decode_module, "_decode_kernel", Launches(decode_module._decode_kernel)) as launches,
+          mock.patch.object(decode_module, "merge_splits")):  # nothing to merge: the splits never ran
+        decode_module.decode_attention(query, key_stream, value_stream, 0.088, num_splits=4)
+    args, kwargs = launches.calls[0]
+    code = disassemble(compile_sm90(launches.kernel, *args, **kwargs))
     return code, len(code.largest_loop) / decode_module.tile_tokens(bits, 32)
 
 
