@@ -115,7 +115,7 @@ def time_dense(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) ->
 
 
 def time_kivi(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bits: int, per_sm: int = 32,
-              num_stages: int = 1) -> tuple[float, int, int]:
+              num_stages: int | None = None) -> tuple[float, int, int]:
     """(median ms, bytes, splits) of the fused kernel."""
     batch, kv_heads, tokens, dim = keys.shape
     args = kivi_args(keys, values, bits)
@@ -173,10 +173,10 @@ def sweep(gen: torch.Generator) -> list[dict]:
     every row, the screen the best per size."""
     rows = []
     for case in (DecodeCase("llama2-7b", 8, 32768), DecodeCase("gqa-32/8", 8, 32768), DecodeCase("llama2-7b", 8, 4096),
-                 DecodeCase("llama2-7b", 1, 32768)):
+                 DecodeCase("gqa-32/8", 8, 4096), DecodeCase("llama2-7b", 1, 32768), DecodeCase("llama2-7b", 32, 16384)):
         query, keys, values = decode_inputs(case, gen)
         sdpa_ms, _ = time_sdpa(query, keys, values)
-        for stages, per_sm in itertools.product((1, 2, 3), (4, 8, 16, 32)):
+        for stages, per_sm in itertools.product((1, 2, 3), (8, 16, 32, 64)):
             ms, _, splits = time_kivi(query, keys, values, 2, per_sm, stages)
             rows.append({"shape": case.shape, "batch": case.batch, "tokens": case.tokens, "sdpa_ms": sdpa_ms, "kivi2_ms": ms,
                          "num_stages": stages, "per_sm": per_sm, "splits": splits})

@@ -5,20 +5,24 @@ Per sequence b and KV head, positions are: n_sink sinks, then keys [n_qk quantiz
 different positions). Split-KV (flash-decoding): one-warp programs (b, kv head, split) share the fast tiles
 of a sequence; a second kernel merges their partial results.
 
-Fast tiles (every key and value quantized) hold ROWS key words per channel, i.e. ROWS * cpw tokens, and are
-computed one *code slice* at a time: code j of each word is unpacked where it lies, in the registers the
-tensor-core operand needs (a pure elementwise chain from the load, which Triton hoists into the operand
-layout: no shared-memory round trip, no reshape of codes). Key slice j holds tokens row * cpw + j; value
-slice jv holds channels word * cpw + jv. Scales fold into the other operand:
-- keys (per-channel groups): q . k = (q * s_g) . c + q . z_g; the left operand has one block of rows per
+Fast tiles (every key and value quantized) hold ROWS key words per channel, i.e. ROWS * cpw tokens. Codes
+are the tensor-core *left* operand, two code slices at a time: codes j and j + cpw/2 of each word fill rows r
+and r + 8 of an mma tile, which one thread holds, so the unpacked pairs are the operand registers themselves
+(a pure elementwise chain from the load, which Triton hoists into the operand layout: no shared-memory round
+trip, no register copies). Keys: rows (slice, word row) = tokens, columns = channels; values: rows (slice,
+word) = channels, columns = tokens, in the order the key logits come out (so p needs no reshuffle; the value
+loads follow that order). Scales fold into the right operand:
+- keys (per-channel groups): q . k = (q * s_g) . c + q . z_g; the right operand has one block of columns per
   key group of the tile (a hi and a lo fp16 part of q * s_g, near-fp32), each token keeps its group's
   block; the zero term is a small fp32 reduction;
-- values (per-token groups of G channels): the left operand, p * s in the tile's token order, has rows
-  (query head, value group); each channel keeps its group's row when the accumulators are folded at the end.
+- values (per-token groups of G channels): the right operand, p * s, has columns (query head, value group);
+  each channel keeps its group's column when the accumulators are folded at the end.
 A tile's value words are loaded once, before its keys are computed, so that they are in flight meanwhile.
-One PTX sequence unpacks two codes into an exact fp16 pair (PRMT, SHR, LOP3 into the mantissa of 1024,
-HSUB2). Triton's interpreter cannot run PTX, so on the CPU the same codes come from shifts and masks (``GPU``
-off); `python -m kernels.check` covers the PTX path on the GPU.
+One PTX sequence unpacks two codes into an exact fp16 pair (PRMT, LOP3 into the mantissa of 1024, HSUB2); a
+code is taken where it lies in its 16-bit half (code * 2**lift, exact) and only the codes above bit 10 need a
+shift, one per word; the power of two is undone on the fp32 results. Triton's interpreter cannot run PTX, so
+on the CPU the same values come from shifts and masks (``GPU`` off); `python -m kernels.check` covers the PTX
+path on the GPU.
 
 The tail (tokens after the last fast tile: residuals, partly quantized tiles) is walked in blocks of
 TAIL_BLOCK tokens dealt out among the splits, the sinks on the last split, with the same folding (codes as
@@ -39,24 +43,48 @@ HEAD_DIMS = (64, 128)  # head sizes checked on the GPU
 TAIL_BLOCK = tl.constexpr(16)  # tokens per tail block: divides every group size (>= 16), so one key group per block
 
 
+def _lift(bits: int, j: int) -> int:
+    """Where code j lands after unpacking: code * 2**lift. A code that ends at or below bit 10 of its 16-bit half is
+    taken where it lies (the mantissa of 1024 holds it exactly, no shift); the others after one shift of the word,
+    shared by the codes above bit 10."""
+    p = bits * (j % (16 // bits))
+    return p if p + bits <= 10 else p - (10 // bits) * bits
+
+
 def _unpack_asm(bits: int, j: int) -> str:
-    """PTX: the fp16 pair (code j of $1, code j of $2), exact. Codes sit in bits [bits*j, bits*(j+1)) of a word."""
+    """PTX: the fp16 pair (code j of $1, code j of $2) * 2**lift, exact. Codes sit in bits [bits*j, bits*(j+1))."""
     low = bits * j < 16
-    mask = ((1 << bits) - 1) * 0x10001
-    shift = f"shr.b32 t, t, {(bits * j) % 16}; " if (bits * j) % 16 else ""
+    lift = _lift(bits, j)
+    shift = (bits * j) % 16 - lift
+    mask = (((1 << bits) - 1) << lift) * 0x10001
+    shr = f"shr.b32 t, t, {shift}; " if shift else ""
     return ("{ .reg .b32 t, c; mov.b32 c, 0x64006400; "
-            f"prmt.b32 t, $1, $2, {0x5410 if low else 0x7632}; {shift}"
+            f"prmt.b32 t, $1, $2, {0x5410 if low else 0x7632}; {shr}"
             f"lop3.b32 t, t, {mask}, 0x64006400, 0xea; sub.f16x2 $0, t, c; }}")
 
 
 UNPACK_2 = tl.constexpr(tuple(_unpack_asm(2, j) for j in range(16)))
 UNPACK_4 = tl.constexpr(tuple(_unpack_asm(4, j) for j in range(8)))
 UNPACK_8 = tl.constexpr(tuple(_unpack_asm(8, j) for j in range(4)))
+LIFT_2 = tl.constexpr(tuple(_lift(2, j) for j in range(16)))
+LIFT_4 = tl.constexpr(tuple(_lift(4, j) for j in range(8)))
+LIFT_8 = tl.constexpr(tuple(_lift(8, j) for j in range(4)))
+
+
+@triton.jit
+def _code_lift(J: tl.constexpr, BITS: tl.constexpr):
+    """``_lift(BITS, J)`` inside a kernel."""
+    if BITS == 2:
+        return LIFT_2[J]
+    elif BITS == 4:
+        return LIFT_4[J]
+    else:
+        return LIFT_8[J]
 
 
 @triton.jit
 def _code_slice(words, J: tl.constexpr, BITS: tl.constexpr, GPU: tl.constexpr):
-    """Code J of every int32 word, as exact fp16."""
+    """Code J of every int32 word times 2**lift (``_lift``), as exact fp16."""
     if GPU:
         if BITS == 2:
             asm: tl.constexpr = UNPACK_2[J]
@@ -66,7 +94,8 @@ def _code_slice(words, J: tl.constexpr, BITS: tl.constexpr, GPU: tl.constexpr):
             asm: tl.constexpr = UNPACK_8[J]
         return tl.inline_asm_elementwise(asm, "=r,r,r", [words], dtype=tl.float16, is_pure=True, pack=2)
     else:
-        return ((words >> (BITS * J)) & ((1 << BITS) - 1)).to(tl.float16)
+        LIFT: tl.constexpr = _code_lift(J, BITS)
+        return ((words >> (BITS * J - LIFT)) & (((1 << BITS) - 1) << LIFT)).to(tl.float16)
 
 
 @triton.jit
@@ -77,11 +106,12 @@ def _hi_lo(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _split16(x):
-    """fp32 [A, B, D] -> fp16 [A * B * 2, D]: rows (a, b, hi) and (a, b, lo), hi + lo = x to ~2^-22."""
-    hi, lo = _hi_lo(x, tl.float16)
-    both = tl.permute(tl.join(hi, lo), (0, 1, 3, 2))  # [A, B, 2, D]
-    return tl.reshape(both, (x.shape[0] * x.shape[1] * 2, x.shape[2]))
+def _code_rows(words, J: tl.constexpr, BITS: tl.constexpr, GPU: tl.constexpr):
+    """words [N, K] -> fp16 [2 * N, K]: codes J (rows 0 .. N) and J + cpw / 2 (rows N .. 2N) of each word, the rows a
+    tensor-core A operand holds in one thread (row r and r + 8 of an mma tile), so no register is copied."""
+    HALF: tl.constexpr = 16 // BITS
+    both = tl.join(_code_slice(words, J, BITS, GPU), _code_slice(words, J + HALF, BITS, GPU))  # [N, K, 2]
+    return tl.reshape(tl.permute(both, (2, 0, 1)), (2 * words.shape[0], words.shape[1]))
 
 
 @triton.jit
@@ -90,8 +120,8 @@ def _fast_tile(q, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_pt
                ROWS: tl.constexpr, GPU: tl.constexpr):
     """One fast tile: keys and values of tokens t * TILE .. (t + 1) * TILE (TILE = ROWS * cpw_k), all quantized.
 
-    q [HP, D] fp32 (scaled, log2 units); accs: per value code slice jv, [HP * VG, VW] fp32 (rows (head, value
-    group), column w = channel w * cpw_v + jv); accz [HP, VG]: the value zero terms.
+    q [D, HP] fp32 (scaled, log2 units); accs: per value code pair i (codes i and i + cpw_v / 2 of each word),
+    [2 * VW, HP * VG] fp32 (rows (code, word), columns (head, value group)); accz [HP, VG]: the value zero terms.
     """
     CPW_K: tl.constexpr = 32 // BITS_K
     CPW_V: tl.constexpr = 32 // BITS_V
@@ -99,63 +129,83 @@ def _fast_tile(q, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_pt
     TG: tl.constexpr = TILE // GROUP  # key groups in the tile
     VG: tl.constexpr = HEAD_DIM // GROUP
     VW: tl.constexpr = HEAD_DIM // CPW_V
-    HP: tl.constexpr = q.shape[0]
+    HP: tl.constexpr = q.shape[1]
     d = tl.arange(0, HEAD_DIM)
     r = tl.arange(0, ROWS)
     rows = t * ROWS + r
     groups = t * TG + tl.arange(0, TG)
-    tok = t * TILE + tl.arange(0, TILE)
+
+    # Token order within the tile: k = (s * ROWS + row) * PAIRS + j holds token row * cpw + s * PAIRS + j, the order
+    # in which the key pairs leave the tensor cores, so the values need it too (and no reshuffle of the logits).
+    PAIRS: tl.constexpr = CPW_K // 2
+    k = tl.arange(0, TILE)
+    tok = t * TILE + (k // PAIRS % ROWS) * CPW_K + k // (PAIRS * ROWS) * PAIRS + k % PAIRS
 
     # Values first, in one load per tile: in flight while the keys are computed.
-    vwords = tl.load(vc_ptr + tok[:, None] * VW + tl.arange(0, VW)[None, :])  # [TILE, VW]
+    vwords = tl.load(vc_ptr + tok[None, :] * VW + tl.arange(0, VW)[:, None])  # [VW, TILE]
     gv = tl.arange(0, VG)
-    vscale = tl.load(vs_ptr + tok[None, :] * VG + gv[:, None]).to(tl.float32)  # [VG, TILE]
-    vzero = tl.load(vz_ptr + tok[None, :] * VG + gv[:, None]).to(tl.float32)
+    vscale = tl.load(vs_ptr + tok[:, None] * VG + gv[None, :]).to(tl.float32)  # [TILE, VG]
+    vzero = tl.load(vz_ptr + tok[:, None] * VG + gv[None, :]).to(tl.float32)
 
-    # Keys: words [D, ROWS], left operand q * s per (group, head, hi/lo), zero terms per (group, head).
-    words = tl.load(kc_ptr + rows[None, :] * HEAD_DIM + d[:, None])
-    scale = tl.load(ks_ptr + groups[:, None] * HEAD_DIM + d[None, :]).to(tl.float32)  # [TG, D]
-    zero = tl.load(kz_ptr + groups[:, None] * HEAD_DIM + d[None, :]).to(tl.float32)
-    qs = _split16(scale[:, None, :] * q[None, :, :])  # [TG * HP * 2, D]
-    own = tl.arange(0, TG)[:, None] == (r // (GROUP // CPW_K))[None, :]  # [TG, ROWS]: a word row's group
-    qz = tl.sum(zero[:, None, :] * q[None, :, :], axis=2)  # [TG, HP]
-    qz = tl.sum(tl.where(own[:, None, :], qz[:, :, None], 0.0), axis=0)  # [HP, ROWS]
-    slot = tl.arange(0, CPW_K)
-    logits = tl.zeros([HP, ROWS, CPW_K], tl.float32)  # token row * cpw + j at [:, row, j]
-    for j in tl.static_range(CPW_K):
-        s = tl.reshape(tl.dot(qs, _code_slice(words, j, BITS_K, GPU)), (TG, HP, 2, ROWS))
-        s = tl.sum(tl.sum(tl.where(own[:, None, None, :], s, 0.0), axis=2), axis=0) + qz  # [HP, ROWS]
-        logits += tl.where((slot == j)[None, None, :], s[:, :, None], 0.0)
-    logits = tl.reshape(logits, (HP, TILE))
+    # Keys: words [ROWS, D], right operand q * s per (group, head, hi/lo), zero terms per (row, head).
+    words = tl.load(kc_ptr + rows[:, None] * HEAD_DIM + d[None, :])
+    scale = tl.load(ks_ptr + groups[None, :] * HEAD_DIM + d[:, None]).to(tl.float32)  # [D, TG]
+    zero = tl.load(kz_ptr + groups[None, :] * HEAD_DIM + d[:, None]).to(tl.float32)
+    hi, lo = _hi_lo(scale[:, :, None] * q[:, None, :], tl.float16)  # [D, TG, HP]
+    qs = tl.reshape(tl.join(hi, lo), (HEAD_DIM, TG * HP * 2))  # columns (group, head, hi/lo)
+    own = (r // (GROUP // CPW_K))[:, None] == tl.arange(0, TG)[None, :]  # [ROWS, TG]: a word row's group
+    qz = tl.sum(zero[:, :, None] * q[:, None, :], axis=0)  # [TG, HP]
+    qz = tl.sum(tl.where(own[:, :, None], qz[None, :, :], 0.0), axis=1)  # [ROWS, HP]
+    parts = ()
+    for j in tl.static_range(PAIRS):
+        s = tl.reshape(tl.dot(_code_rows(words, j, BITS_K, GPU), qs), (2, ROWS, TG, HP, 2))
+        s = tl.sum(tl.sum(tl.where(own[None, :, :, None, None], s, 0.0), axis=4), axis=2)  # [2, ROWS, HP]
+        parts = parts + (s * (1.0 / (1 << _code_lift(j, BITS_K))) + qz[None, :, :],)
+    logits = tl.reshape(tl.permute(_stack(parts), (0, 1, 3, 2)), (TILE, HP))
 
-    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+    m_new = tl.maximum(m_i, tl.max(logits, axis=0))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(logits - m_new[:, None])  # [HP, TILE]
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    accz = accz * alpha[:, None] + tl.sum(p[:, None, :] * vzero[None, :, :], axis=2)
-    ps = tl.reshape(p[:, None, :] * vscale[None, :, :], (HP * VG, TILE)).to(tl.float16)
-    alpha_rows = tl.reshape(tl.broadcast_to(alpha[:, None], (HP, VG)), (HP * VG,))
+    p = tl.exp2(logits - m_new[None, :])  # [TILE, HP]
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    accz = accz * alpha[:, None] + tl.sum(p[:, :, None] * vzero[:, None, :], axis=0)
+    ps = tl.reshape(p[:, :, None] * vscale[:, None, :], (TILE, HP * VG)).to(tl.float16)
+    alpha_cols = tl.reshape(tl.broadcast_to(alpha[:, None], (HP, VG)), (HP * VG,))
     updated = ()
-    for jv in tl.static_range(CPW_V):
-        updated = updated + (tl.dot(ps, _code_slice(vwords, jv, BITS_V, GPU), accs[jv] * alpha_rows[:, None]),)
+    for i in tl.static_range(CPW_V // 2):
+        updated = updated + (tl.dot(_code_rows(vwords, i, BITS_V, GPU), ps, accs[i] * alpha_cols[None, :]),)
     return updated, accz, m_new, l_i
 
 
 @triton.jit
+def _stack(parts):
+    """A tuple of 2**n tensors [...] -> [..., 2**n], parts[j] at [..., j] (a tree of joins: no data moves)."""
+    level = parts
+    for _ in tl.static_range(len(parts).bit_length() - 1):
+        joined = ()
+        for i in tl.static_range(len(level) // 2):  # a join's new dimension is the last: pair the high bit first
+            joined = joined + (tl.join(level[i], level[i + len(level) // 2]),)
+        level = joined
+    x = level[0]
+    return tl.reshape(x, parts[0].shape + (len(parts),))
+
+
+@triton.jit
 def _fold(accs, accz, HEAD_DIM: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr):
-    """Fast-tile accumulators -> [HP, D]: channel c = w * cpw + jv keeps row (head, c // G) of slice jv."""
+    """Fast-tile accumulators -> [HP, D]: channel c = w * cpw + s * cpw/2 + i (row (s, w) of pair i) keeps the
+    column (head, c // G)."""
     CPW_V: tl.constexpr = 32 // BITS_V
     VG: tl.constexpr = HEAD_DIM // GROUP
     VW: tl.constexpr = HEAD_DIM // CPW_V
     HP: tl.constexpr = accz.shape[0]
     w = tl.arange(0, VW)
-    slot = tl.arange(0, CPW_V)
-    acc = tl.zeros([HP, VW, CPW_V], tl.float32)
-    for jv in tl.static_range(CPW_V):
-        own = tl.arange(0, VG)[:, None] == ((w * CPW_V + jv) // GROUP)[None, :]  # [VG, VW]
-        a = tl.sum(tl.where(own[None, :, :], tl.reshape(accs[jv], (HP, VG, VW)), 0.0), axis=1)  # [HP, VW]
-        acc += tl.where((slot == jv)[None, None, :], a[:, :, None], 0.0)
-    return tl.reshape(acc, (HP, HEAD_DIM)) + _group_broadcast(accz, GROUP)
+    parts = ()
+    for i in tl.static_range(CPW_V // 2):
+        code = tl.arange(0, 2)[:, None] * (CPW_V // 2) + i  # [2, 1]
+        own = tl.arange(0, VG)[None, None, :] == ((w[None, :] * CPW_V + code) // GROUP)[:, :, None]  # [2, VW, VG]
+        pair = tl.sum(tl.where(own[:, :, None, :], tl.reshape(accs[i], (2, VW, HP, VG)), 0.0), axis=3)  # [2, VW, HP]
+        parts = parts + (pair * (1.0 / (1 << _code_lift(i, BITS_V))),)
+    acc = tl.reshape(tl.permute(_stack(parts), (2, 1, 0, 3)), (HP, HEAD_DIM))
+    return acc + _group_broadcast(accz, GROUP)
 
 
 @triton.jit
@@ -311,11 +361,12 @@ def _decode_kernel(
     lo = split * per_split
     hi = tl.minimum(lo + per_split, fast_tiles)
     accs = ()
-    for jv in tl.static_range(CPW_V):
-        accs = accs + (tl.zeros([HP * VG, HEAD_DIM // CPW_V], tl.float32),)
+    for _ in tl.static_range(CPW_V // 2):
+        accs = accs + (tl.zeros([2 * (HEAD_DIM // CPW_V), HP * VG], tl.float32),)
     accz = tl.zeros([HP, VG], tl.float32)
+    qt = tl.trans(q)
     for t in range(lo, hi):
-        accs, accz, m_i, l_i = _fast_tile(q, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+        accs, accz, m_i, l_i = _fast_tile(qt, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                                           HEAD_DIM, BITS_K, BITS_V, GROUP, ROWS, GPU)
     acc = _fold(accs, accz, HEAD_DIM, BITS_V, GROUP)
 
@@ -345,7 +396,8 @@ def _decode_kernel(
 
 
 def tile_rows(k_bits: int, group_size: int) -> int:
-    """Key words per channel in a fast tile: 8 (the N of one mma), or 16 when a key group needs it."""
+    """Key words per channel in a fast tile: 8 (two code slices of 8 rows: the M of one mma), or 16 when a key group
+    needs it."""
     return 8 if (8 * codes_per_word(k_bits)) % group_size == 0 else 16
 
 
@@ -359,6 +411,13 @@ def default_num_splits(batch: int, kv_heads: int, max_tokens: int, k_bits: int, 
     """Splits per sequence for about ``per_sm`` one-warp programs per multiprocessor, each with >= 2 fast tiles
     of the longest sequence."""
     return split_count(batch, kv_heads, max_tokens, 2 * tile_tokens(k_bits, group_size), 128, per_sm, device)
+
+
+def default_num_stages(q_heads: int, kv_heads: int) -> int:
+    """Load stages of the fast-tile loop, as the H200 sweep measured fastest (BENCHMARKS.md): 2 (the next tile's
+    codes copied to shared memory while this one computes) for one query head per KV head; 1 for grouped heads,
+    whose programs hold 4x the operands and spill more when pipelined."""
+    return 2 if q_heads == kv_heads else 1
 
 
 def decode_attention_tensors(
@@ -380,7 +439,7 @@ def decode_attention_tensors(
     scaling: float,
     num_splits: int,
     out: torch.Tensor | None = None,  # [B, Hq, 1, D], any float dtype (tests pass float32 to see unrounded results)
-    num_stages: int = 1,  # no software pipelining measured fastest (BENCHMARKS.md)
+    num_stages: int | None = None,  # software pipelining; None: measured fastest (``default_num_stages``)
     v_ring: bool = False,
 ) -> torch.Tensor:
     """Decode attention over KIVI buffers laid out as ``kivi.stream.KVStream`` holds them. Returns ``out``.
@@ -423,6 +482,8 @@ def decode_attention_tensors(
         raise ValueError(f"decode_attention: out must be {tuple(query.shape)} with unit stride along D")
     target, lse = split_targets(out, num_splits)
     group_heads = q_heads // kv_heads
+    if num_stages is None:
+        num_stages = default_num_stages(q_heads, kv_heads)
     _decode_kernel[(batch * kv_heads, num_splits)](
         query, target, lse, k_sink, v_sink, k_codes, k_scale, k_zero, k_resid, v_codes, v_scale, v_zero, v_resid, counts,
         batch, kv_heads, num_splits, scaling * LOG2E,

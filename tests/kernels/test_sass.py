@@ -31,5 +31,7 @@ def test_quantize_compiles_without_spills_within_its_instruction_count(rows, cas
 
 def test_decode_fast_tiles_run_on_tensor_cores_within_their_instruction_count(rows):
     row = rows["32/32 heads KIVI-2"]
-    assert row["mix"].get("HMMA", 0) > 0 and row["mix"].get("LDG", 0) > 0
-    assert 0 < row["per_token"] <= 30  # warp-instructions per (token, KV head): 27.9 at the time of writing
+    # codes as the left operand, two slices per mma tile: one HMMA per token of a 128-token tile (keys and values)
+    assert 0 < row["mix"].get("HMMA", 0) <= 128
+    # warp-instructions per (token, KV head): 17.5 at the time of writing; 27.9 with one code slice per dot
+    assert 0 < row["per_token"] <= 19
