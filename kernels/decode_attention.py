@@ -43,7 +43,7 @@ HEAD_DIMS = (64, 128)  # head sizes checked on the GPU
 TAIL_BLOCK = tl.constexpr(16)  # tokens per tail block: divides every group size (>= 16), so one key group per block
 
 
-def _lift(bits: int, j: int) -> int:
+def code_lift(bits: int, j: int) -> int:
     """Where code j lands after unpacking: code * 2**lift. A code that ends at or below bit 10 of its 16-bit half is
     taken where it lies (the mantissa of 1024 holds it exactly, no shift); the others after one shift of the word,
     shared by the codes above bit 10."""
@@ -51,29 +51,33 @@ def _lift(bits: int, j: int) -> int:
     return p if p + bits <= 10 else p - (10 // bits) * bits
 
 
+def unpack_fields(bits: int, j: int) -> tuple[bool, int, int]:
+    """How the PTX unpack reaches code j of a pair of words: (take the high 16-bit halves, right shift of the
+    paired halves, mask of the code in each half)."""
+    lift = code_lift(bits, j)
+    return bits * j >= 16, (bits * j) % 16 - lift, (((1 << bits) - 1) << lift) * 0x10001
+
+
 def _unpack_asm(bits: int, j: int) -> str:
     """PTX: the fp16 pair (code j of $1, code j of $2) * 2**lift, exact. Codes sit in bits [bits*j, bits*(j+1))."""
-    low = bits * j < 16
-    lift = _lift(bits, j)
-    shift = (bits * j) % 16 - lift
-    mask = (((1 << bits) - 1) << lift) * 0x10001
+    high, shift, mask = unpack_fields(bits, j)
     shr = f"shr.b32 t, t, {shift}; " if shift else ""
     return ("{ .reg .b32 t, c; mov.b32 c, 0x64006400; "
-            f"prmt.b32 t, $1, $2, {0x5410 if low else 0x7632}; {shr}"
+            f"prmt.b32 t, $1, $2, {0x7632 if high else 0x5410}; {shr}"
             f"lop3.b32 t, t, {mask}, 0x64006400, 0xea; sub.f16x2 $0, t, c; }}")
 
 
 UNPACK_2 = tl.constexpr(tuple(_unpack_asm(2, j) for j in range(16)))
 UNPACK_4 = tl.constexpr(tuple(_unpack_asm(4, j) for j in range(8)))
 UNPACK_8 = tl.constexpr(tuple(_unpack_asm(8, j) for j in range(4)))
-LIFT_2 = tl.constexpr(tuple(_lift(2, j) for j in range(16)))
-LIFT_4 = tl.constexpr(tuple(_lift(4, j) for j in range(8)))
-LIFT_8 = tl.constexpr(tuple(_lift(8, j) for j in range(4)))
+LIFT_2 = tl.constexpr(tuple(code_lift(2, j) for j in range(16)))
+LIFT_4 = tl.constexpr(tuple(code_lift(4, j) for j in range(8)))
+LIFT_8 = tl.constexpr(tuple(code_lift(8, j) for j in range(4)))
 
 
 @triton.jit
 def _code_lift(J: tl.constexpr, BITS: tl.constexpr):
-    """``_lift(BITS, J)`` inside a kernel."""
+    """``code_lift(BITS, J)`` inside a kernel."""
     if BITS == 2:
         return LIFT_2[J]
     elif BITS == 4:
@@ -84,7 +88,7 @@ def _code_lift(J: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _code_slice(words, J: tl.constexpr, BITS: tl.constexpr, GPU: tl.constexpr):
-    """Code J of every int32 word times 2**lift (``_lift``), as exact fp16."""
+    """Code J of every int32 word times 2**lift (``code_lift``), as exact fp16."""
     if GPU:
         if BITS == 2:
             asm: tl.constexpr = UNPACK_2[J]

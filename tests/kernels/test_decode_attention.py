@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels.data import REAL_KV, fill_streams, outlier_kv, reference_decode, relative_error
-from kernels.decode_attention import decode_attention, unsupported
+from kernels.decode_attention import code_lift, decode_attention, unpack_fields, unsupported
 from kivi.attention import attention_over_cache
 from kivi.config import KiviConfig
 
@@ -117,3 +117,18 @@ def test_unsupported_layouts_are_reported_and_rejected():
     query, ks, vs = random_case(CONFIGS["kivi-2 G32 R32"], HEADS["GQA-2 D64"], torch.float16, [100, 70], seed=1)
     assert unsupported(query, ks, vs) is None
     assert "q_len" in unsupported(query.expand(-1, -1, 2, -1), ks, vs)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_unpack_fields_give_every_code_exactly_times_its_lift(bits):
+    """The PTX unpack (the GPU path, which the interpreter cannot run), emulated on its fields: pair the 16-bit
+    halves of two words, shift, mask into the mantissa of 1024, subtract 1024: code j of each word * 2**lift."""
+    gen = torch.Generator().manual_seed(bits)
+    w1, w2 = (int(w) for w in torch.randint(0, 2**32, (2,), generator=gen, dtype=torch.int64))
+    for j in range(32 // bits):
+        high, shift, mask = unpack_fields(bits, j)
+        paired = (w1 >> 16) | (w2 & 0xFFFF0000) if high else (w1 & 0xFFFF) | ((w2 & 0xFFFF) << 16)
+        t = ((paired >> shift) & mask) | 0x64006400
+        halves = torch.tensor([t & 0xFFFF, t >> 16], dtype=torch.int32).to(torch.int16).view(torch.float16)
+        codes = [(w >> (bits * j)) & ((1 << bits) - 1) for w in (w1, w2)]
+        assert (halves.float() - 1024).tolist() == [c * 2 ** code_lift(bits, j) for c in codes], (bits, j)
