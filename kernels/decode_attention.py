@@ -67,39 +67,23 @@ def _unpack_asm(bits: int, j: int) -> str:
             f"lop3.b32 t, t, {mask}, 0x64006400, 0xea; sub.f16x2 $0, t, c; }}")
 
 
-UNPACK_2 = tl.constexpr(tuple(_unpack_asm(2, j) for j in range(16)))
-UNPACK_4 = tl.constexpr(tuple(_unpack_asm(4, j) for j in range(8)))
-UNPACK_8 = tl.constexpr(tuple(_unpack_asm(8, j) for j in range(4)))
-LIFT_2 = tl.constexpr(tuple(code_lift(2, j) for j in range(16)))
-LIFT_4 = tl.constexpr(tuple(code_lift(4, j) for j in range(8)))
-LIFT_8 = tl.constexpr(tuple(code_lift(8, j) for j in range(4)))
+def _by_width(value, kind=lambda v: v) -> tl.constexpr:
+    """A kernel-side table of kind(value(bits, j)), indexed [bits][code slot j] for 2, 4 and 8 bits."""
+    return tl.constexpr(tuple(tuple(kind(value(bits, j)) for j in range(32 // bits)) if bits in (2, 4, 8) else ()
+                              for bits in range(9)))
 
 
-@triton.jit
-def _code_lift(J: tl.constexpr, BITS: tl.constexpr):
-    """``code_lift(BITS, J)`` inside a kernel."""
-    if BITS == 2:
-        return LIFT_2[J]
-    elif BITS == 4:
-        return LIFT_4[J]
-    else:
-        return LIFT_8[J]
+UNPACK = _by_width(_unpack_asm, tl.constexpr)  # strings inside a kernel tuple need a type: constexpr
+LIFT = _by_width(code_lift)
 
 
 @triton.jit
 def _code_slice(words, J: tl.constexpr, BITS: tl.constexpr, GPU: tl.constexpr):
     """Code J of every int32 word times 2**lift (``code_lift``), as exact fp16."""
     if GPU:
-        if BITS == 2:
-            asm: tl.constexpr = UNPACK_2[J]
-        elif BITS == 4:
-            asm: tl.constexpr = UNPACK_4[J]
-        else:
-            asm: tl.constexpr = UNPACK_8[J]
-        return tl.inline_asm_elementwise(asm, "=r,r,r", [words], dtype=tl.float16, is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(UNPACK[BITS][J], "=r,r,r", [words], dtype=tl.float16, is_pure=True, pack=2)
     else:
-        LIFT: tl.constexpr = _code_lift(J, BITS)
-        return ((words >> (BITS * J - LIFT)) & (((1 << BITS) - 1) << LIFT)).to(tl.float16)
+        return ((words >> (BITS * J - LIFT[BITS][J])) & (((1 << BITS) - 1) << LIFT[BITS][J])).to(tl.float16)
 
 
 @triton.jit
@@ -164,7 +148,7 @@ def _fast_tile(q, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_pt
     for j in tl.static_range(PAIRS):
         s = tl.reshape(tl.dot(_code_rows(words, j, BITS_K, GPU), qs), (2, ROWS, TG, HP, 2))
         s = tl.sum(tl.sum(tl.where(own[None, :, :, None, None], s, 0.0), axis=4), axis=2)  # [2, ROWS, HP]
-        parts = parts + (s * (1.0 / (1 << _code_lift(j, BITS_K))) + qz[None, :, :],)
+        parts = parts + (s * (1.0 / (1 << LIFT[BITS_K][j])) + qz[None, :, :],)
     logits = tl.reshape(tl.permute(_stack(parts), (0, 1, 3, 2)), (TILE, HP))
 
     m_new = tl.maximum(m_i, tl.max(logits, axis=0))
@@ -207,7 +191,7 @@ def _fold(accs, accz, HEAD_DIM: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.co
         code = tl.arange(0, 2)[:, None] * (CPW_V // 2) + i  # [2, 1]
         own = tl.arange(0, VG)[None, None, :] == ((w[None, :] * CPW_V + code) // GROUP)[:, :, None]  # [2, VW, VG]
         pair = tl.sum(tl.where(own[:, :, None, :], tl.reshape(accs[i], (2, VW, HP, VG)), 0.0), axis=3)  # [2, VW, HP]
-        parts = parts + (pair * (1.0 / (1 << _code_lift(i, BITS_V))),)
+        parts = parts + (pair * (1.0 / (1 << LIFT[BITS_V][i])),)
     acc = tl.reshape(tl.permute(_stack(parts), (2, 1, 0, 3)), (HP, HEAD_DIM))
     return acc + _group_broadcast(accz, GROUP)
 
