@@ -40,13 +40,15 @@ class FidelityRow:
 def measure_fidelity(model, input_ids: torch.Tensor, configs=DEFAULT_CONFIGS, chunk: int = 32) -> list[FidelityRow]:
     """input_ids: [1, T]. Returns one row per configuration name ("fp16" or a KiviConfig preset)."""
     enable_kivi(model)
+    # Every cache is built before the first forward pass: one the model cannot hold is refused at once.
+    caches = {name: KiviCache(model.config, KiviConfig.from_name(name)) for name in configs if name != "fp16"}
     reference = chunked_logprobs(model, input_ids, DynamicCache(config=model.config), chunk)
     rows = []
     for name in configs:
         if name == "fp16":
             logprobs, cache_name, ratio = reference, "fp16", 1.0
         else:
-            cache = KiviCache(model.config, KiviConfig.from_name(name))
+            cache = caches[name]
             logprobs = chunked_logprobs(model, input_ids, cache, chunk)
             cache_name, ratio = cache.config.name, cache.kv_bytes() / cache.fp16_kv_bytes()
         rows.append(FidelityRow(name, cache_name, **compare(reference, logprobs, input_ids, chunk), kv_ratio=ratio))

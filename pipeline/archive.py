@@ -99,6 +99,7 @@ RUNS = TableSpec(
         ("versions", pa.string()),  # JSON: torch, transformers, triton, kernel hash
         ("skipped", pa.string()),  # JSON: {workload: {reason: count}} of malformed records left out
         ("placements", pa.string()),  # JSON: per actor host, pid, device, Ray GPU ids, GPU UUID, start-up seconds, jobs finished
+        ("error", pa.string()),  # why a failed run stopped (exception type and message); null otherwise
     ]),
     partitions=("run_id",),
     required=("run_id", "kind", "status", "started_at"),
@@ -254,13 +255,16 @@ class ArchiveWriter:
         finished_at: dt.datetime | None = None,
         skipped: dict[str, dict[str, int]] | None = None,
         placements: list[dict[str, Any]] | None = None,
+        error: str | None = None,
     ) -> Path:
-        """Set the status; a final one stamps finished_at (now unless given); skipped and placements replace theirs."""
+        """Set the status; a final one stamps finished_at (now unless given); skipped and placements replace theirs;
+        ``error`` is kept with a failed status only (a resumed run clears it)."""
         row = self.read_run()
         if row is None:
             raise ArchiveError(f"run {self.run_id!r} has no manifest under {self.root}; call write_run first")
         row["status"] = status
         row["finished_at"] = None if status == "running" else finished_at or _now()  # a resumed run is unfinished
+        row["error"] = error if status == "failed" else None
         if skipped is not None:
             row["skipped"] = skipped
         if placements:

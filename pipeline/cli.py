@@ -16,27 +16,40 @@ import time
 from pathlib import Path
 
 DEFAULT_ARCHIVE = os.environ.get("KIVI_ARCHIVE", "archive")
+RUN_FAILED = 3  # exit code of a run that stopped (0: every gate rule passed, 1: a rule failed, 2: bad input)
 
 
 def run_config(config_path: str, run_id: str | None = None, archive: str | None = None, address: str | None = None,
                kind: str | None = None, baseline_run_id: str | None = None, no_ray: bool = False) -> int:
-    """Run (or resume) a config, then gate and report it; returns the gate's exit code (0 without rules)."""
+    """Run (or resume) a config, then gate and report it; returns the gate's exit code (0 without rules), or
+    RUN_FAILED when the run stopped: it is still gated and reported with what it wrote, marked partial."""
+    from pipeline.archive import ArchiveWriter
     from pipeline.config import load_config
-    from pipeline.runner import run
+    from pipeline.runner import describe_failure, new_run_id, run
 
     overrides = dict(archive=archive, kind=kind, baseline_run_id=baseline_run_id)
     config = load_config(config_path, **overrides)
     if address:
         config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
+    run_id = run_id or new_run_id(config.kind)
     began = time.perf_counter()
-    summary = run(config, Path(config_path).read_text(), run_id, in_process=no_ray)
-    print(f"run {summary.run_id}: computed {len(summary.computed)} shard×cache, reused {summary.reused}, "
-          f"sweeps {summary.sweeps} in {time.perf_counter() - began:.1f} s")
-    for placement in summary.placements:
-        print(f"  actor {placement}")
-    code = gate(summary.run_id, config.gate, str(config.archive), config.baseline_run_id) if config.gate else 0
-    report(summary.run_id, str(config.archive), str(config.reports))
-    return code
+    try:
+        summary = run(config, Path(config_path).read_text(), run_id, in_process=no_ray)
+    except Exception as err:
+        if ArchiveWriter(config.archive, run_id).read_run() is None:
+            raise  # stopped before the run began: nothing to gate or report
+        failed = True
+        print(f"kivi-eval: run {run_id} failed after {time.perf_counter() - began:.1f} s: {describe_failure(err)}",
+              file=sys.stderr)
+    else:
+        failed = False
+        print(f"run {run_id}: computed {len(summary.computed)} shard×cache, reused {summary.reused}, "
+              f"sweeps {summary.sweeps} in {time.perf_counter() - began:.1f} s")
+        for placement in summary.placements:
+            print(f"  actor {placement}")
+    code = gate(run_id, config.gate, str(config.archive), config.baseline_run_id) if config.gate else 0
+    report(run_id, str(config.archive), str(config.reports))
+    return RUN_FAILED if failed else code
 
 
 def gate(run_id: str, rules_path, archive: str, baseline_run_id: str | None = None) -> int:

@@ -35,7 +35,8 @@ class ModelSection(_Section):
     spec: str = Field(description="packaged short name, random:<shape>, .gguf file, local folder or Hub id")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_context: PositiveInt = Field(2048, description="prompt + generation tokens per request")
-    tokenizer: str | None = Field(None, description="tokenizer spec for random:<shape> models (e.g. smollm2-135m)")
+    tokenizer: str | None = Field(None, description="tokenizer spec instead of the model's own: needed by random:<shape> "
+                                  "models (e.g. smollm2-135m), or for a GGUF whose tokenizer transformers rebuilds wrongly")
 
 
 class RaySection(_Section):

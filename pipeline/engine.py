@@ -13,7 +13,7 @@ from kivi import KiviCache, KiviConfig, enable_kivi
 from kivi.cache import model_head_dim
 from kivi.fidelity import chunked_logprobs, compare
 from pipeline.decode_engine import DecodeEngine
-from pipeline.workloads import Request
+from pipeline.workloads import Request, render_prompt
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,6 @@ class Engine:
         self.decoder: DecodeEngine | None = None  # built on the first throughput point
         self.warmed: set[str] = set()  # reprs of the caches the decoder has run once, untimed
 
-    def prompt_text(self, request: Request) -> str:
-        if request.meta.get("apply_chat_template") and getattr(self.tokenizer, "chat_template", None):
-            messages = [{"role": "user", "content": request.prompt}]
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return request.prompt
-
     @torch.inference_mode()
     def generate(self, requests: list[Request], kivi: KiviConfig | None, batch_size: int) -> list[Generation]:
         """Greedy generations in request order; each stops at its max_new_tokens, EOS or a stop string."""
@@ -63,7 +57,7 @@ class Engine:
 
     def _generate_batch(self, batch: list[Request], kivi: KiviConfig | None) -> list[Generation]:
         tok = self.tokenizer
-        enc = tok([self.prompt_text(r) for r in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tok([render_prompt(tok, r.prompt, r.chat) for r in batch], return_tensors="pt", padding=True, add_special_tokens=False)
         enc["input_ids"] %= self.vocab
         enc = enc.to(self.device)
         stops = sorted({s for r in batch for s in r.meta.get("stop", [])})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
@@ -33,7 +34,10 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from pipeline import gguf_tokenizer
+
 RANDOM_PREFIX = "random:"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -110,17 +114,18 @@ def check_model_spec(spec: str) -> None:
 
 
 def load_model(
-    spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, tokenizer: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    """Load (model, tokenizer) in eval mode; random-init shapes have no tokenizer (None)."""
+    """Load (model, tokenizer) in eval mode. ``tokenizer``: a tokenizer spec to use instead of the model's own;
+    random-init shapes have none without it (None)."""
     dtype = dtype or default_dtype(device)
     if spec.startswith(RANDOM_PREFIX):
-        return _random_model(spec, device, dtype), None
+        return _random_model(spec, device, dtype), load_tokenizer(tokenizer) if tokenizer else None
     source, gguf_file = _resolve(spec)
     with _explained_load_errors(spec):
         model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=dtype)
     _strip_gguf_quantization(model)
-    return model.to(device).eval(), load_tokenizer(spec)
+    return model.to(device).eval(), load_tokenizer(tokenizer or spec)
 
 
 def load_model_config(spec: str) -> PretrainedConfig:
@@ -139,14 +144,31 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     source, gguf_file = _resolve(spec)
     with _explained_load_errors(spec):
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
-        eos = AutoConfig.from_pretrained(source, gguf_file=gguf_file).eos_token_id
-    if isinstance(eos, int) and tokenizer.eos_token_id != eos:
-        # GGUF metadata can name another EOS than the model generates (SmolLM2: <|im_start|> vs <|im_end|>).
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+        _align_eos(tokenizer, AutoConfig.from_pretrained(source, gguf_file=gguf_file).eos_token_id)
+    if gguf_file:
+        _check_gguf_tokenizer(tokenizer, Path(source, gguf_file), spec)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _align_eos(tokenizer: PreTrainedTokenizerBase, eos: int | list[int] | None) -> None:
+    # transformers names GGUF's BOS as the EOS of llama-type vocabularies (SmolLM2: <|im_start|> for <|im_end|>).
+    if isinstance(eos, int) and tokenizer.eos_token_id != eos:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+
+
+def _check_gguf_tokenizer(tokenizer: PreTrainedTokenizerBase, path: Path, spec: str) -> None:
+    """Refuse a tokenizer that transformers rebuilt from the GGUF differently from the file's own metadata."""
+    errors, warnings = gguf_tokenizer.problems(tokenizer, gguf_tokenizer.GGUFVocab.read(path))
+    for warning in warnings:
+        logger.warning("model %s: tokenizer of %s: %s", spec, path.name, warning)
+    if errors:
+        raise ModelSpecError(
+            f"model: {spec!r}: transformers' tokenizer for {path.name} does not tokenize as the file's own vocabulary "
+            f"does: {'; '.join(errors)}. Every generation would start from wrong token ids. Set model.tokenizer to the "
+            f"model's original tokenizer (a Hub id, or a local folder with tokenizer.json), or use another GGUF of it")
 
 
 @contextmanager
@@ -189,6 +211,8 @@ def converted_folder(name: str) -> Path:
         gguf = _packaged_gguf_path(name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _align_eos(tokenizer, model.config.eos_token_id)
+        _check_gguf_tokenizer(tokenizer, gguf, name)
         _strip_gguf_quantization(model)
         tmp = tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-")
         try:

@@ -67,7 +67,11 @@ def _header(store: Store, run_id: str) -> str:
     fields += sorted(json.loads(run.get("versions") or "{}").items())
     fields += [(f"actor {i}", _actor(p)) for i, p in enumerate(json.loads(run.get("placements") or "[]"))]
     shown = [(k, v.isoformat(sep=" ", timespec="seconds") if isinstance(v, dt.datetime) else v) for k, v in fields]
-    return f"# KIVI evaluation: `{run_id}`\n\n" + _table(["field", "value"], shown)
+    partial = ""
+    if run.get("status") != "complete":  # what follows covers only what the run wrote before it stopped
+        why = f"the run failed: {run['error']}" if run.get("error") else f"the run is {run.get('status') or 'unknown'}"
+        partial = f"**Partial results: {why}. Scores, deltas and verdicts below cover what it wrote.**\n\n"
+    return f"# KIVI evaluation: `{run_id}`\n\n{partial}" + _table(["field", "value"], shown)
 
 
 def _actor(placement: dict[str, Any]) -> str:

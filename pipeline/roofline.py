@@ -29,7 +29,7 @@ from kivi import KiviConfig
 from kivi.cache import model_head_dim
 from pipeline.config import RunConfig
 from pipeline.models import load_model_config, load_tokenizer, resolve_dtype
-from pipeline.runner import request_budget
+from pipeline.runner import workload_requests
 from pipeline.store import Store
 
 H200_FP16_TFLOPS = 989.0  # dense fp16 tensor-core peak (NVIDIA H200 datasheet)
@@ -123,8 +123,8 @@ def main(argv=None) -> None:
     tokenizer = load_tokenizer(args.tokenizer or config.model.tokenizer or config.model.spec)
     model = meta_model(load_model_config(config.model.spec))
     caches, workloads = config.kivi_configs(), config.build_workloads()
-    budget = request_budget(config, tokenizer)
-    requests = {name: w.requests(tokenizer, budget) for name, w in workloads.items() if w.kind == "throughput"}
+    requests = {name: workload_requests(w, tokenizer, config.model.max_context)
+                for name, w in workloads.items() if w.kind == "throughput"}
     cuda = torch.cuda.is_available()
     dtype = resolve_dtype(config.model.dtype, "cuda")
     print(f"{'cache':20} {'B':>5} {'step ms':>8} {'weights GB':>10} {'KV GB':>7} {'TFLOP':>6} {'bytes ms':>8} "

@@ -18,6 +18,7 @@ from pipeline.archive import ArchiveWriter
 from pipeline.config import RunConfig
 from pipeline.models import load_tokenizer
 from pipeline.worker import CRASH_ONCE_ENV, EvalWorker, RunContext, Shard
+from pipeline.workloads import Request, Workload, check_budget
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 
@@ -57,12 +58,12 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
                                baseline_run_id=config.baseline_run_id, started_at=started, versions=_versions()))
     else:
         archive.update_run_status("running")
-    summary = RunSummary(run_id)
+    summary, skipped = RunSummary(run_id), None
     try:
         shard_jobs, sweep_jobs, skipped = _plan(config, archive, summary)
         _execute(config, ctx, shard_jobs, sweep_jobs, summary, progress, in_process)
-    except BaseException:
-        archive.update_run_status("failed", placements=summary.placements)
+    except BaseException as err:  # an interrupt too: the manifest never stays "running" after the driver is gone
+        archive.update_run_status("failed", skipped=skipped, placements=summary.placements, error=describe_failure(err))
         raise
     archive.update_run_status("complete", skipped=skipped, placements=summary.placements)
     return summary
@@ -72,9 +73,8 @@ def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary):
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.spec)
     caches = list(config.kivi_configs())
     shard_jobs, sweep_jobs, skipped = [], [], {}
-    budget = request_budget(config, tokenizer)
     for name, workload in config.build_workloads().items():
-        requests = workload.requests(tokenizer, budget)
+        requests = workload_requests(workload, tokenizer, config.model.max_context)
         skipped[name] = dict(workload.skipped)
         if workload.kind == "throughput":
             done = archive.perf_caches(name)
@@ -162,16 +162,19 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
             ray.kill(actor)
 
 
-def request_budget(config: RunConfig, tokenizer) -> int:
-    """Prompt + generation tokens a request may have: the model's context less what the chat template adds."""
-    return config.model.max_context - _chat_template_tokens(tokenizer)
+def workload_requests(workload: Workload, tokenizer, max_context: int) -> list[Request]:
+    """The workload's requests, each checked to fit ``max_context`` as the engine will feed it to the model."""
+    requests = workload.requests(tokenizer, max_context)
+    if workload.kind != "teacher_forced":  # those are cut to meta["tokens"] <= max_context token ids by the engine
+        check_budget(requests, tokenizer, max_context)
+    return requests
 
 
-def _chat_template_tokens(tokenizer) -> int:
-    """Tokens the chat template adds around a prompt (the engine applies it where a request asks)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return 0
-    return len(tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=True))
+def describe_failure(err: BaseException) -> str:
+    """One line for a run's failure: the exception's type and first line (a Ray task error: its worker's)."""
+    cause = getattr(err, "cause", None) or err  # ray.exceptions.RayTaskError carries the actor's exception
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
 
 
 def _git_sha() -> str | None:

@@ -130,14 +130,17 @@ class Store:
             self._con.execute(sql)
 
     def _source(self, spec: TableSpec) -> str:
+        # An empty Arrow table keeps the view's columns and types: DuckDB cannot glob zero files, and a column
+        # added after older files were written reads as null in them (UNION BY NAME).
+        empty = f"_empty_{spec.name}"
+        self._con.register(empty, spec.schema.empty_table())
         if not any(self.root.glob(spec.glob)):
-            # DuckDB cannot glob zero files; an empty Arrow table keeps the view's columns and types.
-            self._con.register(f"_empty_{spec.name}", spec.schema.empty_table())
-            return f"_empty_{spec.name}"
+            return empty
         # Hive values are text in our layout; without this DuckDB would turn run_id=20240601 into a number.
         types = ", ".join(f"'{p}': 'VARCHAR'" for p in spec.partitions)
         path = str(self.root / spec.glob).replace("'", "''")
-        return f"read_parquet('{path}', hive_partitioning = true, union_by_name = true, hive_types = {{{types}}})"
+        files = f"read_parquet('{path}', hive_partitioning = true, union_by_name = true, hive_types = {{{types}}})"
+        return f"(SELECT * FROM {empty} UNION ALL BY NAME SELECT * FROM {files})"
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> tuple[list[str], list[tuple]]:
         """Run one read-only statement (SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN); columns and rows."""

@@ -20,7 +20,7 @@ import torch
 from pipeline.archive import ArchiveWriter
 from pipeline.config import RunConfig
 from pipeline.engine import Engine, Generation
-from pipeline.models import load_model, load_tokenizer, resolve_dtype
+from pipeline.models import load_model, resolve_dtype
 from pipeline.workloads import Request, Workload
 
 # Fault injection for the failure tests: the worker process exits when it starts this shard the first time.
@@ -53,8 +53,8 @@ class EvalWorker:
         torch.backends.cuda.enable_cudnn_sdp(False)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         dtype = resolve_dtype(cfg.model.dtype, self.device)
-        model, tokenizer = load_model(cfg.model.spec, self.device, dtype)
-        self.engine = Engine(model, tokenizer or load_tokenizer(cfg.model.tokenizer))
+        model, tokenizer = load_model(cfg.model.spec, self.device, dtype, tokenizer=cfg.model.tokenizer)
+        self.engine = Engine(model, tokenizer)
         self.workloads: dict[str, Workload] = cfg.build_workloads()
         self.caches = cfg.kivi_configs()
         self.archive = ArchiveWriter(cfg.archive, ctx.run_id)

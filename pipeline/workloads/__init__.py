@@ -8,7 +8,18 @@
 """
 
 from pipeline.workloads import fidelity, gsm8k, longbench, niah, sharegpt  # noqa: F401  (they register themselves)
-from pipeline.workloads.base import Request, Score, Workload, WorkloadOptionError, WorkloadOptions
+from pipeline.workloads.base import (
+    BudgetError,
+    Request,
+    Score,
+    Workload,
+    WorkloadOptionError,
+    WorkloadOptions,
+    chat_template_tokens,
+    check_budget,
+    prompt_tokens,
+    render_prompt,
+)
 from pipeline.workloads.data import DataSourceError
 from pipeline.workloads.longbench_metrics import longbench_average
 from pipeline.workloads.registry import (
@@ -20,6 +31,7 @@ from pipeline.workloads.registry import (
 )
 
 __all__ = [
+    "BudgetError",
     "DataSourceError",
     "Request",
     "Score",
@@ -27,9 +39,13 @@ __all__ = [
     "Workload",
     "WorkloadOptionError",
     "WorkloadOptions",
+    "chat_template_tokens",
+    "check_budget",
     "get_workload",
     "longbench_average",
+    "prompt_tokens",
     "register_workload",
+    "render_prompt",
     "workload_class",
     "workload_names",
 ]

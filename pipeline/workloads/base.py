@@ -28,6 +28,43 @@ class Request:
     reference: str  # JSON text, so that every workload fits one Parquet column
     meta: dict[str, Any] = field(default_factory=dict, hash=False)  # small JSON-able extras (stop, depth …)
 
+    @property
+    def chat(self) -> bool:
+        """Whether the engine puts the prompt into the model's chat template (where the tokenizer has one)."""
+        return bool(self.meta.get("apply_chat_template"))
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> str:
+    """The text the engine tokenizes (without special tokens): the prompt, inside the chat template if asked."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return prompt
+
+
+def prompt_tokens(tokenizer: PreTrainedTokenizerBase, prompts: list[str], chats: list[bool]) -> list[int]:
+    """Tokens each prompt takes as the engine feeds it to the model (chat template included where asked)."""
+    texts = [render_prompt(tokenizer, p, c) for p, c in zip(prompts, chats, strict=True)]
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids] if texts else []
+
+
+def chat_template_tokens(tokenizer: PreTrainedTokenizerBase) -> int:
+    """Tokens the chat template adds around a prompt (0 for a tokenizer without one)."""
+    return prompt_tokens(tokenizer, [""], [True])[0]
+
+
+class BudgetError(AssertionError):
+    """A workload built a request that does not fit the model's context: a bug in that workload."""
+
+
+def check_budget(requests: list[Request], tokenizer: PreTrainedTokenizerBase, max_context: int) -> None:
+    """Every request's prompt, as the engine tokenizes it, plus its max_new_tokens fits in ``max_context``."""
+    used = prompt_tokens(tokenizer, [r.prompt for r in requests], [r.chat for r in requests])
+    for request, tokens in zip(requests, used):
+        if tokens + request.max_new_tokens > max_context:
+            raise BudgetError(f"{request.workload}/{request.task}/{request.request_id}: {tokens} prompt tokens + "
+                              f"{request.max_new_tokens} new exceed max_context {max_context}")
+
 
 @dataclass(frozen=True)
 class Score:
@@ -72,7 +109,8 @@ class Workload(ABC):
 
     @abstractmethod
     def requests(self, tokenizer: PreTrainedTokenizerBase, max_context: int) -> list[Request]:
-        """The sampled requests; each prompt plus its max_new_tokens fits in max_context tokens."""
+        """The sampled requests; each prompt as the engine renders it (``render_prompt``) plus its max_new_tokens
+        fits in max_context tokens."""
 
     def score(self, request: Request, prediction: str) -> Score:
         raise TypeError(f"workload '{self.name}' is a {self.kind} workload: it has no score")

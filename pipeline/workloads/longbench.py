@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
-from pipeline.workloads.base import Request, Score, Workload, WorkloadOptions
+from pipeline.workloads.base import Request, Score, Workload, WorkloadOptions, prompt_tokens
 from pipeline.workloads.data import (
     DataSourceError, hub_file, local_path, parse_records, read_lines, require_hub, sample,
 )
@@ -66,23 +66,27 @@ class LongBenchOptions(WorkloadOptions):
         return self
 
 
-def middle_truncate(tokenizer: PreTrainedTokenizerBase, prompt: str, max_tokens: int) -> str:
+def middle_truncate(tokenizer: PreTrainedTokenizerBase, prompt: str, max_tokens: int, chat: bool = False) -> str:
     """Keep the first and last max_tokens // 2 tokens, as pred.py does: the question sits at both ends.
 
-    Unlike pred.py, the result is guaranteed to fit: halves shrink while the re-encoded text is too long.
+    Unlike pred.py, the result is guaranteed to fit as the engine feeds it (inside the chat template where
+    ``chat``): halves shrink while the re-encoded text is too long.
     """
-    ids = tokenizer(prompt).input_ids
-    if len(ids) <= max_tokens:
+    def excess(text: str) -> int:
+        return prompt_tokens(tokenizer, [text], [chat])[0] - max_tokens
+
+    if excess(prompt) <= 0:
         return prompt
+    ids = tokenizer(prompt, add_special_tokens=False).input_ids
     # No space clean-up, as Llama tokenizers default to: the decoded halves keep their original spacing.
     decode = partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     half = max_tokens // 2
     while True:
         text = decode(ids[:half]) + decode(ids[-half:])
-        excess = len(tokenizer(text).input_ids) - max_tokens
-        if excess <= 0:
+        over = excess(text)
+        if over <= 0:
             return text
-        half -= (excess + 1) // 2  # the join (or a BOS token) re-encoded to more than 2 * half tokens
+        half -= (over + 1) // 2  # the template, or the join re-encoded to more than 2 * half tokens
 
 
 @register_workload("longbench")
@@ -115,12 +119,12 @@ class LongBench(Workload):
                        if self._well_formed(task, r)]
             for index, record in sample(records, self.options.n, self.options.seed):
                 prompt = templates[task].format(context=record["context"], input=record["input"])
+                chat = task not in NO_CHAT_TEMPLATE
                 requests.append(Request(
                     request_id=record.get("_id") or str(index), workload=self.name, task=task,
-                    prompt=middle_truncate(tokenizer, prompt, max_context - max_new), max_new_tokens=max_new,
+                    prompt=middle_truncate(tokenizer, prompt, max_context - max_new, chat), max_new_tokens=max_new,
                     reference=json.dumps(record["answers"]),
-                    meta={"all_classes": record.get("all_classes"),
-                          "apply_chat_template": task not in NO_CHAT_TEMPLATE},
+                    meta={"all_classes": record.get("all_classes"), "apply_chat_template": chat},
                 ))
         return requests
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
-from pipeline.workloads.base import Request, Score, Workload, WorkloadOptions
+from pipeline.workloads.base import Request, Score, Workload, WorkloadOptions, prompt_tokens
 from pipeline.workloads.data import DataSourceError, local_path
 from pipeline.workloads.registry import register_workload
 
@@ -143,22 +143,24 @@ class NeedleInAHaystack(Workload):
         else:  # each cell its own key, reproducible from the seed
             key = str(random.Random(f"{self.options.seed}:{length}:{depth}").randint(10000, 99999))
             template, needle, reference = PASSKEY_PROMPT, PASSKEY_NEEDLE.format(key=key), key
+        # The cell's length is what the model sees: the prompt inside the chat template where the engine applies
+        # it, plus the answer's tokens.
+        chat = task == "niah"
         budget = length - self.options.max_new_tokens
-        overhead = len(tokenizer(template.format(context=needle)).input_ids)
-        tokens = budget - overhead
+        tokens = budget - prompt_tokens(tokenizer, [template.format(context=needle)], [chat])[0]
         while True:  # token counts do not add up exactly across the joins: shrink until it fits
             if tokens < 0:
                 raise ValueError(f"{task}: context length {length} is too short for the prompt and "
                                  f"{self.options.max_new_tokens} new tokens")
             prompt = template.format(context=haystack.with_needle(needle, tokens, depth))
-            excess = len(tokenizer(prompt).input_ids) - budget
+            excess = prompt_tokens(tokenizer, [prompt], [chat])[0] - budget
             if excess <= 0:
                 break
             tokens -= excess
         return Request(
             request_id=f"L{length}-d{depth:g}", workload=self.name, task=task, prompt=prompt,
             max_new_tokens=self.options.max_new_tokens, reference=json.dumps(reference),
-            meta={"context_length": length, "depth": depth, "apply_chat_template": task == "niah"},
+            meta={"context_length": length, "depth": depth, "apply_chat_template": chat},
         )
 
     def _essays(self) -> list[Path]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from synthetic_archive import K2, K4, write_gsm8k
 
@@ -111,6 +112,16 @@ def test_an_archive_with_results_but_no_perf_still_opens_with_an_empty_throughpu
         assert store.query("SELECT count(*) FROM results")[1] == [(20,)]
         assert store.query("SELECT * FROM throughput")[1] == []
         assert store.query("SELECT * FROM verdicts")[1] == []
+
+
+def test_a_column_added_after_older_files_were_written_reads_as_null_in_them(tmp_path: Path) -> None:
+    writer = ArchiveWriter(tmp_path, "old-run")
+    writer.write_run({"kind": "nightly", "status": "failed"})
+    old = pq.read_table(writer.run_path).drop_columns(["error"])  # a manifest written before runs.error existed
+    pq.write_table(old, writer.run_path)
+    with Store(tmp_path) as store:
+        assert store.records("SELECT run_id, status, error FROM runs") == [
+            {"run_id": "old-run", "status": "failed", "error": None}]
 
 
 @pytest.mark.parametrize("sql", [

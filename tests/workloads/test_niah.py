@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pipeline.workloads import WorkloadOptionError, get_workload
+from pipeline.workloads import WorkloadOptionError, get_workload, prompt_tokens
 from pipeline.workloads.niah import NEEDLE, keyword_recall, passkey_match
 
 LENGTHS = (1024, 3000, 100_000)
@@ -28,8 +28,8 @@ def test_the_grid_has_one_cell_per_length_and_depth_with_lengths_capped_at_the_c
 
 def test_each_prompt_fills_its_context_length_with_room_for_the_answer(cells, tokenizer):
     _, requests = cells
-    for request in requests:
-        used = len(tokenizer(request.prompt).input_ids) + request.max_new_tokens
+    for request in requests:  # counted as the engine feeds it: inside the chat template where the request asks
+        used = prompt_tokens(tokenizer, [request.prompt], [request.chat])[0] + request.max_new_tokens
         assert request.meta["context_length"] - 8 <= used <= request.meta["context_length"], request.request_id
 
 
