@@ -102,7 +102,7 @@ class KiviCache(Cache):
         """``use_kernels=False`` keeps CUDA tensors on the PyTorch oracle (for comparisons with the kernels)."""
         config = config or KiviConfig()
         text = model_config.get_text_config(decoder=True)
-        _check_fits_model(config, text)
+        check_fits_model(config, text)
         super().__init__(layers=[KiviLayer(config.for_layer(i), use_kernels) for i in range(text.num_hidden_layers)])
         self.config = config
 
@@ -126,7 +126,8 @@ def mixed_layer_types(text: PretrainedConfig) -> list[str]:
     return [] if layer_types == ["full_attention"] else layer_types
 
 
-def _check_fits_model(config: KiviConfig, text: PretrainedConfig) -> None:
+def check_fits_model(config: KiviConfig, text: PretrainedConfig) -> None:
+    """Raise KiviConfigError where ``config`` cannot hold the decoder of ``text`` (layer types, layer indices, shapes)."""
     if layer_types := mixed_layer_types(text):
         raise KiviConfigError(f"KiviCache supports full-attention layers only; this model has {layer_types}")
     head_dim = model_head_dim(text)

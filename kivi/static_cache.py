@@ -1,7 +1,9 @@
 """StaticCache: preallocated KIVI (or 16-bit) buffers for a decode loop that a CUDA graph can capture.
 
-Every buffer is sized at construction for the batch's capacity; per sequence only one count lives on the
-device, ``positions`` (tokens stored before the current step). Every other count follows from it and from
+Every buffer is sized at construction for a number of slots and a capacity per slot; per slot only one count
+lives on the device, ``positions`` (tokens stored before the current step), and a flag, ``active`` (whether a
+sequence decodes there: an idle slot's step writes at position 0 and goes nowhere, so a slot can be released
+and loaded again between steps, as continuous batching does). Every other count follows from the position and
 KIVI's flush rules, so a decode step never asks the host anything:
 
 - keys (groups of G tokens per channel) flush in blocks of KB = R tokens (G when R = 0): before the step
@@ -22,9 +24,9 @@ import torch
 from transformers import PretrainedConfig
 
 from kivi.attention import attention_over_cache
-from kivi.cache import model_head_dim
+from kivi.cache import check_fits_model, model_head_dim
 from kivi.config import KiviConfig, KiviConfigError
-from kivi.quant import GROUP_DIM, allocate, codes_per_word, dequantize, quantize
+from kivi.quant import GROUP_DIM, Quantized, allocate, codes_per_word, dequantize, quantize
 from kivi.stream import quantize_on_device, round_up
 
 
@@ -49,11 +51,12 @@ class StepState:
     def __init__(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device, use_kernels: bool):
         self.batch, self.capacity, self.dtype, self.device, self.use_kernels = batch, capacity, dtype, device, use_kernels
         self.positions = torch.zeros(batch, dtype=torch.int32, device=device)  # tokens stored before this step
+        self.active = torch.zeros(batch, dtype=torch.int32, device=device)  # 1 where a sequence decodes
         self.batch_index = torch.arange(batch, device=device)
         self._derived: dict = {}
 
     def advance(self) -> None:
-        self.positions += 1
+        self.positions += self.active
         self._derived.clear()
 
     def lengths(self) -> torch.Tensor:
@@ -118,7 +121,9 @@ class DenseStaticLayer(_StaticLayer):
             from kernels.dense_decode import dense_decode_attention
 
             return dense_decode_attention(query, self.keys, self.values, lengths, scaling, self.num_splits)
-        return attention_over_cache(query, self.keys.float(), self.values.float(), lengths, scaling)
+        longest = int(lengths.max())  # the oracle reads what is stored, not the whole capacity
+        return attention_over_cache(query, self.keys[:, :, :longest].float(), self.values[:, :, :longest].float(),
+                                    lengths, scaling)
 
     def _buffers(self):
         return (self.keys, self.values)
@@ -202,8 +207,13 @@ class KiviStaticLayer(_StaticLayer):
         i = torch.arange(int(lengths.max()), device=lengths.device)
         from_resid = i[:, None] >= n_qk  # [B, 1, L, 1]: keys past the last full block
         from_ring = i[:, None] >= n_qv  # values inside the window
-        deq_k = dequantize(self.keys, cfg.k_bits, cfg.group_size, GROUP_DIM["channel"])[:, :, : len(i)]
-        deq_v = dequantize(self.values, cfg.v_bits, cfg.group_size, GROUP_DIM["token"])[:, :, : len(i)]
+        # Only the stored prefix is dequantized: whole key groups, the values' tokens.
+        key_groups = round_up(len(i), cfg.group_size) // cfg.group_size
+        keys = Quantized(self.keys.codes[:, :, : key_groups * cfg.group_size // codes_per_word(cfg.k_bits)],
+                         self.keys.scale[:, :, :key_groups], self.keys.zero[:, :, :key_groups])
+        values = Quantized(*(buf[:, :, : len(i)] for buf in self.values))
+        deq_k = dequantize(keys, cfg.k_bits, cfg.group_size, GROUP_DIM["channel"])[:, :, : len(i)]
+        deq_v = dequantize(values, cfg.v_bits, cfg.group_size, GROUP_DIM["token"])
         keys = torch.where(from_resid, self.key_resid[:, :, i % kb].float(), deq_k)
         values = torch.where(from_ring, self.value_ring[:, :, i % (w + 1)].float(), deq_v)
         return keys, values
@@ -238,8 +248,10 @@ class StaticCache:
     def __init__(self, model_config: PretrainedConfig, batch: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | str, kivi: KiviConfig | None = None, use_kernels: bool | None = None):
         text = model_config.get_text_config(decoder=True)
-        if kivi is not None and (reason := static_unsupported(kivi)):
-            raise KiviConfigError(f"KiviConfig: {reason}")
+        if kivi is not None:
+            if reason := static_unsupported(kivi):
+                raise KiviConfigError(f"KiviConfig: {reason}")
+            check_fits_model(kivi, text)
         device = torch.device(device)
         self.state = StepState(batch, capacity, dtype, device, device.type == "cuda" if use_kernels is None else use_kernels)
         kv_heads = text.num_key_value_heads
@@ -263,13 +275,20 @@ class StaticCache:
         return self.state.use_kernels
 
     def load(self, rows: torch.Tensor, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor) -> None:
-        """Store the prompts of sequences ``rows`` (batch indices): per layer (keys, values) [b, Hkv, T, D], right-padded."""
+        """Store the prompts of sequences in slots ``rows``: per layer (keys, values) [b, Hkv, T, D], right-padded.
+        The slots become active."""
         lengths = lengths.to(device=self.state.device, dtype=torch.int32)
         if int(lengths.max()) > self.capacity:
             raise ValueError(f"StaticCache: a prompt of {int(lengths.max())} tokens exceeds the capacity {self.capacity}")
         for layer, (keys, values) in zip(self.layers, layer_kv, strict=True):
             layer.load(rows, keys.to(self.state.dtype), values.to(self.state.dtype), lengths)
         self.positions[rows] = lengths
+        self.state.active[rows] = 1
+
+    def release(self, rows: torch.Tensor) -> None:
+        """Slots ``rows`` go idle (their sequences ended): position 0, no longer advanced, free for ``load``."""
+        self.positions[rows] = 0
+        self.state.active[rows] = 0
 
     def advance(self) -> None:
         """End of a decode step: every sequence holds one more token."""

@@ -100,11 +100,12 @@ RUNS = TableSpec(
         ("skipped", pa.string()),  # JSON: {workload: {reason: count}} of malformed records left out
         ("placements", pa.string()),  # JSON: per actor host, pid, device, Ray GPU ids, GPU UUID, start-up seconds, jobs finished
         ("error", pa.string()),  # why a failed run stopped (exception type and message); null otherwise
+        ("fallbacks", pa.string()),  # JSON: {cache: why its generations ran through transformers.generate}
     ]),
     partitions=("run_id",),
     required=("run_id", "kind", "status", "started_at"),
     glob="runs/*/run.parquet",
-    json_columns=("versions", "skipped", "placements"),
+    json_columns=("versions", "skipped", "placements", "fallbacks"),
 )
 
 VERDICTS = TableSpec(
@@ -255,10 +256,11 @@ class ArchiveWriter:
         finished_at: dt.datetime | None = None,
         skipped: dict[str, dict[str, int]] | None = None,
         placements: list[dict[str, Any]] | None = None,
+        fallbacks: dict[str, str] | None = None,
         error: str | None = None,
     ) -> Path:
-        """Set the status; a final one stamps finished_at (now unless given); skipped and placements replace theirs;
-        ``error`` is kept with a failed status only (a resumed run clears it)."""
+        """Set the status; a final one stamps finished_at (now unless given); skipped, placements and fallbacks
+        replace theirs; ``error`` is kept with a failed status only (a resumed run clears it)."""
         row = self.read_run()
         if row is None:
             raise ArchiveError(f"run {self.run_id!r} has no manifest under {self.root}; call write_run first")
@@ -269,6 +271,8 @@ class ArchiveWriter:
             row["skipped"] = skipped
         if placements:
             row["placements"] = placements
+        if fallbacks is not None:
+            row["fallbacks"] = fallbacks
         return self.write_run(row)
 
     def write_verdicts(self, rows: list[dict[str, Any]]) -> Path:

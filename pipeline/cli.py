@@ -106,6 +106,8 @@ def main(argv=None) -> int:
     p.add_argument("--archive", default=DEFAULT_ARCHIVE)
     p = sub.add_parser("model-folder", help="print a packaged model's transformers folder (converted on first use)")
     p.add_argument("name")
+    p.add_argument("--from-gguf", type=Path, help="convert from this copy of the packaged GGUF (sha256 checked), "
+                                                  "where the packages cannot be installed")
     args = parser.parse_args(argv)
 
     from pipeline.config import ConfigError
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
         elif args.command == "model-folder":
             from pipeline.models import converted_folder
 
-            print(converted_folder(args.name))
+            print(converted_folder(args.name, args.from_gguf))
         else:
             query(args.sql, args.archive)
         return 0

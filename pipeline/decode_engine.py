@@ -1,217 +1,273 @@
-"""Greedy batch decoding for throughput: the stock model on the prompts, then static decode steps in a CUDA graph.
+"""Continuous batching on a static cache: the one generation engine for every workload, fp16 or KIVI.
 
-``transformers.generate`` spends most of a decode step in Python (tens of ms per step for a 7B model at any
-batch), so a throughput figure measured through it measures the host. Here:
+A call holds a fixed number of slots in one ``StaticCache`` (KIVI or the model dtype) and a queue of waiting
+sequences, longest first (prompt + new tokens: the longest start early instead of running alone at the end):
 
-1. prefill: the model's own forward on the prompts, right-padded, in micro-batches of similar lengths and about
-   ``prefill_tokens`` tokens (exact attention, as KIVI prescribes; 4K tokens keep GEMMs efficient while the
-   micro-batch's fp16 keys and values, 2 GiB for a 7B model, stay small beside the cache), each micro-batch's keys and values
-   stored into a ``StaticCache`` (quantized there under KIVI) and its first greedy token taken;
-2. decode: one step walks the model's own modules: embeddings and rotary tables, then per layer the
-   input norm, q/k/v projections and rotation, the cache's ``step`` (store the token, attend, KIVI's flush,
-   all on the device), o projection, residual, post-attention norm, MLP, residual; final norm, LM head,
-   argmax, positions + 1. Every shape is fixed for the whole run, so on CUDA the step is captured once in a
-   CUDA graph and replayed; elsewhere it runs eagerly.
+1. admission: each free slot takes the next waiting sequence. Its prompt runs through the stock model (exact
+   attention, as KIVI prescribes), right-padded in micro-batches of similar lengths and about
+   ``prefill_tokens`` tokens; a prompt longer than that runs in chunks of that size over a DynamicCache of its
+   own, so one 32K prompt does not stall the others for long: while sequences decode, one prefill unit (a
+   micro-batch or a chunk) runs between two decode segments. The finished prompt's keys and values are
+   stored into its slot (quantized there under KIVI) and its first greedy token taken.
+2. decode: segments of at most ``sync_every`` steps (``pipeline.decode_step``, replayed from one CUDA graph
+   on CUDA; every slot steps, an idle one in place), each step's tokens kept on the device; a segment never
+   runs a sequence past its own ``max_new_tokens``.
+3. after a segment, one copy to the host: a sequence ends at an end id (EOS), a stop string, or its
+   ``max_new_tokens``; its tokens are cut there, its slot is released and refilled at the next admission.
 
-On CUDA the parts between two attentions are compiled (torch.compile, one graph shared by every layer): a
-7B model's step is otherwise about 1,300 small kernels, half of its time at batch 1. The layer structure is
-the pre-norm decoder of Llama, Mistral and Qwen2; other models are refused.
-
-Every sequence decodes the same number of tokens (EOS ignored, as throughput benchmarks do).
+Outputs come back in the order of the sequences given.
 """
 
 from __future__ import annotations
 
 import gc
-import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kivi import KiviConfig
-from kivi.cache import mixed_layer_types
 from kivi.static_cache import StaticCache
+from pipeline.decode_step import DecodeStep
 
-LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+FINISH_REASONS = ("eos", "stop", "length")
 
 
-class UnsupportedModelError(ValueError):
-    """The model's layout is not the decoder-only one the engine drives."""
+@dataclass(frozen=True)
+class Sequence:
+    """One request as the engine runs it."""
+
+    prompt: list[int]  # token ids, fed as they are
+    max_new_tokens: int
+    end_ids: frozenset[int] = frozenset()  # ids that end it, excluded from its tokens (EOS); none: runs to the limit
+    stop: tuple[str, ...] = ()  # stop strings: it ends with the token that completes one (needs a tokenizer)
+
+
+@dataclass(frozen=True)
+class Completion:
+    tokens: list[int]  # generated ids: an ending EOS left out, a stop string's tokens kept
+    finish_reason: str  # one of FINISH_REASONS
+    latency_s: float  # from the start of its prefill to its last token
 
 
 @dataclass(frozen=True)
 class DecodeRun:
-    tokens: torch.Tensor  # [B, new_tokens] int64 on the CPU: the first from the prefill, the rest from decode steps
-    prefill_s: float
-    decode_s: float  # new_tokens - 1 decode steps
+    completions: list[Completion]  # in the order of the sequences given
+    prefill_s: float  # prompt forward passes and loads into slots
+    decode_s: float  # decode segments, their host copies included
     capture_s: float  # warm-up and graph capture (0 without a graph)
-    peak_mem_bytes: int | None  # CUDA: the run's peak allocated memory, weights included
+    steps: int  # decode steps
+    slots: int
+    admissions: int  # sequences loaded into a slot (more than ``slots``: slots were refilled)
+    peak_mem_bytes: int | None  # CUDA: the call's peak allocated memory, weights included
     cache_bytes: int  # the static cache's buffers
 
     @property
     def step_s(self) -> float:
-        return self.decode_s / max(self.tokens.shape[1] - 1, 1)
+        return self.decode_s / max(self.steps, 1)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[sequences, new tokens] int64: the generations of a call whose sequences all ran to the same length."""
+        return torch.tensor([c.tokens for c in self.completions], dtype=torch.long)
 
 
 class DecodeEngine:
     def __init__(self, model: PreTrainedModel, prefill_tokens: int = 4096, cuda_graph: bool = True,
-                 compile_steps: bool | None = None):
-        """``compile_steps`` (default: on CUDA) compiles the parts between attentions."""
-        self.rotate = _check_supported(model)
-        self.model, self.base = model, model.get_decoder()
-        self.layers = list(self.base.layers)
-        self.prefill_tokens, self.cuda_graph = prefill_tokens, cuda_graph
+                 compile_steps: bool | None = None, sync_every: int = 16, decode: Callable[[list[int]], str] | None = None):
+        """``decode`` (token ids -> text) is needed for stop strings; ``sync_every`` bounds the steps between two
+        looks at the tokens (EOS and stop strings are found that late, length limits exactly)."""
+        self.model, self.decode_step = model, DecodeStep(model, compile_steps)
+        self.prefill_tokens, self.cuda_graph, self.sync_every, self.decode = prefill_tokens, cuda_graph, sync_every, decode
         self.device, self.dtype = model.device, model.dtype
-        compile_steps = self.device.type == "cuda" if compile_steps is None else compile_steps
-        wrap = torch.compile if compile_steps else (lambda fn: fn)
-        self._enter, self._between, self._exit = wrap(_enter), wrap(_between), wrap(_exit)
 
-    @torch.inference_mode()
     def run(self, prompts: list[list[int]], new_tokens: int, kivi: KiviConfig | None) -> DecodeRun:
-        """Greedy ``new_tokens`` tokens for every prompt (token ids), batched together; fp16 cache when kivi is None.
+        """``new_tokens`` greedy tokens for every prompt, all in one batch, no end ids (a throughput point).
 
         Raises torch.OutOfMemoryError when the batch does not fit.
         """
-        if not prompts or min(map(len, prompts)) == 0 or new_tokens < 1:
-            raise ValueError("DecodeEngine.run: needs non-empty prompts and new_tokens >= 1")
+        return self.generate([Sequence(p, new_tokens) for p in prompts], kivi, slots=len(prompts),
+                             sync_every=max(new_tokens - 1, 1))
+
+    @torch.inference_mode()
+    def generate(self, sequences: list[Sequence], kivi: KiviConfig | None, slots: int,
+                 sync_every: int | None = None) -> DecodeRun:
+        """Greedy generations of ``sequences`` through ``slots`` slots; fp16 cache when kivi is None."""
+        if not sequences or min(len(s.prompt) for s in sequences) == 0 or min(s.max_new_tokens for s in sequences) < 1:
+            raise ValueError("DecodeEngine.generate: needs non-empty prompts and max_new_tokens >= 1")
+        if self.decode is None and any(s.stop for s in sequences):
+            raise ValueError("DecodeEngine.generate: stop strings need the engine's decode function")
         cuda = self.device.type == "cuda"
-        gc.collect()  # the last run's buffers, if an exception kept them alive
+        gc.collect()  # the last call's buffers, if an exception kept them alive
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-        lengths = torch.tensor([len(p) for p in prompts])
-        # the last generated token is never stored
-        cache = StaticCache(self.model.config, len(prompts), int(lengths.max()) + new_tokens - 1, self.dtype, self.device, kivi)
-        out = torch.empty(len(prompts), new_tokens, dtype=torch.long, device=self.device)
+        capacity = max(len(s.prompt) + s.max_new_tokens - 1 for s in sequences)  # the last token is never stored
+        cache = StaticCache(self.model.config, min(slots, len(sequences)), capacity, self.dtype, self.device, kivi)
+        batch = _Batch(self, cache, sequences, sync_every or self.sync_every)
+        completions = batch.run()
+        return DecodeRun(completions, batch.prefill_s, batch.decode_s, batch.capture_s, batch.steps, cache.state.batch,
+                         batch.admissions, torch.cuda.max_memory_allocated(self.device) if cuda else None,
+                         cache.kv_bytes())
+
+
+@dataclass
+class _Live:
+    """A sequence in a slot."""
+
+    index: int  # in the call's sequences
+    began: float
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Prefill:
+    """A unit of prefill work: a micro-batch of prompts, or the chunks of one long prompt."""
+
+    rows: list[int]  # sequence indices
+    slots: list[int]
+    began: float
+    kv: DynamicCache | None = None  # a chunked prompt's keys and values so far
+    done: int = 0  # tokens of a chunked prompt already run
+
+
+class _Batch:
+    """The state of one ``DecodeEngine.generate`` call."""
+
+    def __init__(self, engine: DecodeEngine, cache: StaticCache, sequences: list[Sequence], sync_every: int):
+        self.engine, self.cache, self.sequences, self.sync_every = engine, cache, sequences, sync_every
+        device, slots = engine.device, cache.state.batch
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each step's input, then its output
+        self.history = torch.empty(slots, sync_every, dtype=torch.long, device=device)
+        order = sorted(range(len(sequences)), key=lambda i: -(len(sequences[i].prompt) + sequences[i].max_new_tokens))
+        self.waiting, self.free = deque(order), list(range(slots))
+        self.prefills: deque[_Prefill] = deque()
+        self.live: dict[int, _Live] = {}  # slot -> sequence
+        self.completions: list[Completion | None] = [None] * len(sequences)
+        self.graph = None
+        self.prefill_s = self.decode_s = self.capture_s = 0.0
+        self.steps = self.admissions = 0
+
+    def run(self) -> list[Completion]:
+        while self.waiting or self.prefills or self.live:
+            self._admit()
+            if not self.live:  # nothing decodes: nothing waits for the prefill
+                while self.prefills:
+                    self._prefill_one()
+                continue
+            if self.prefills:  # one unit between two segments, so that the live sequences go on
+                self._prefill_one()
+            self._segment()
+        return self.completions
+
+    def _admit(self) -> None:
+        taken = []
+        while self.free and self.waiting:
+            taken.append((self.waiting.popleft(), self.free.pop(0)))
+        if not taken:
+            return
+        now = time.perf_counter()
+        lengths = [len(self.sequences[row].prompt) for row, _ in taken]
+        for group in _micro_batches(lengths, self.engine.prefill_tokens):
+            self.prefills.append(_Prefill([taken[j][0] for j in group], [taken[j][1] for j in group], now))
+
+    def _prefill_one(self) -> None:
         began = time.perf_counter()
-        out[:, 0] = self._prefill(prompts, lengths, cache)
+        job = self.prefills[0]
+        first = self._forward(job)
+        if first is not None:
+            self.prefills.popleft()
+            self._start(job, first)
         self._sync()
-        prefill_s = time.perf_counter() - began
-
-        tokens = out[:, 0].clone()  # the step's input and, after it, its output
-        began = time.perf_counter()
-        step = self._capture(cache, tokens) if cuda and self.cuda_graph and cache.use_kernels else None
-        self._sync()
-        capture_s = time.perf_counter() - began if step else 0.0
-        began = time.perf_counter()
-        for i in range(1, new_tokens):
-            step.replay() if step else self._step(cache, tokens)
-            out[:, i] = tokens
-        self._sync()
-        decode_s = time.perf_counter() - began
-        return DecodeRun(out.cpu(), prefill_s, decode_s, capture_s,
-                         torch.cuda.max_memory_allocated(self.device) if cuda else None, cache.kv_bytes())
-
-    def _prefill(self, prompts: list[list[int]], lengths: torch.Tensor, cache: StaticCache) -> torch.Tensor:
-        """Run the model on the prompts in micro-batches, store their K/V; returns the first greedy tokens [B]."""
-        first = torch.empty(len(prompts), dtype=torch.long, device=self.device)
-        for rows in _micro_batches(lengths.tolist(), self.prefill_tokens):
-            rows_lengths = lengths[rows]
-            width = int(rows_lengths.max())
-            ids = torch.zeros(len(rows), width, dtype=torch.long)
-            for j, row in enumerate(rows):
-                ids[j, : len(prompts[row])] = torch.as_tensor(prompts[row])
-            mask = torch.arange(width)[None, :] < rows_lengths[:, None]
-            kv = DynamicCache(config=self.model.config)
-            hidden = self.base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), past_key_values=kv,
-                               use_cache=True).last_hidden_state
-            last = hidden[torch.arange(len(rows), device=self.device), rows_lengths.to(self.device) - 1]
-            index = torch.tensor(rows, device=self.device)
-            first[index] = self.model.lm_head(last).argmax(-1)
-            cache.load(index, [(layer.keys, layer.values) for layer in kv.layers], rows_lengths)
-        return first
-
-    def _step(self, cache: StaticCache, tokens: torch.Tensor) -> None:
-        """One decode step for every sequence: tokens [B] in, the next greedy tokens written back into it."""
-        base, layers = self.base, self.layers
-        hidden, rotary, (q, k, v) = self._enter(base.embed_tokens, base.rotary_emb, layers[0], tokens,
-                                                cache.positions, self.rotate)
-        for i, layer in enumerate(layers):
-            attn = cache.layers[i].step(q, k, v, layer.self_attn.scaling)
-            if i + 1 < len(layers):
-                hidden, (q, k, v) = self._between(layer, layers[i + 1], hidden, attn, rotary, self.rotate)
-            else:
-                tokens.copy_(self._exit(layer, base.norm, self.model.lm_head, hidden, attn))
-        cache.advance()
-
-    def _capture(self, cache: StaticCache, tokens: torch.Tensor) -> torch.cuda.CUDAGraph:
-        """Warm up, then capture one step. The warm-up step (it compiles the kernels and sets up cuBLAS) writes only
-        what the first real step rewrites; a second one would overwrite value-ring rows that step still reads."""
-        saved = cache.positions.clone(), tokens.clone()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._step(cache, tokens)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        cache.positions.copy_(saved[0])
-        tokens.copy_(saved[1])
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._step(cache, tokens)
-        return graph
+        self.prefill_s += time.perf_counter() - began
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
 
+    def _forward(self, job: _Prefill) -> list[int] | None:
+        """Run the job's next unit through the stock model; the first greedy tokens once its prompts are done."""
+        engine, prompts = self.engine, [self.sequences[row].prompt for row in job.rows]
+        model, base, device = engine.model, engine.model.get_decoder(), engine.device
+        chunk = engine.prefill_tokens
+        if len(prompts) == 1 and len(prompts[0]) > chunk:  # a long prompt: one chunk per unit, exact attention
+            job.kv = job.kv or DynamicCache(config=model.config)
+            ids = torch.tensor([prompts[0][job.done : job.done + chunk]], device=device)
+            hidden = base(input_ids=ids, past_key_values=job.kv, use_cache=True).last_hidden_state
+            job.done += ids.shape[1]
+            if job.done < len(prompts[0]):
+                return None
+            lengths, kv, last = torch.tensor([len(prompts[0])]), job.kv, hidden[:, -1]
+        else:
+            lengths = torch.tensor([len(p) for p in prompts])
+            width = int(lengths.max())
+            ids = torch.zeros(len(prompts), width, dtype=torch.long)
+            for j, prompt in enumerate(prompts):
+                ids[j, : len(prompt)] = torch.as_tensor(prompt)
+            mask = torch.arange(width)[None, :] < lengths[:, None]
+            kv = DynamicCache(config=model.config)
+            hidden = base(input_ids=ids.to(device), attention_mask=mask.to(device), past_key_values=kv,
+                          use_cache=True).last_hidden_state
+            last = hidden[torch.arange(len(prompts), device=device), lengths.to(device) - 1]
+        slots = torch.tensor(job.slots, device=device)
+        first = model.lm_head(last).argmax(-1)
+        self.cache.load(slots, [(layer.keys, layer.values) for layer in kv.layers], lengths)
+        self.tokens[slots] = first
+        return first.tolist()
 
-def _check_supported(model: PreTrainedModel):
-    """Refuse a model whose layout the step does not follow; returns its module's apply_rotary_pos_emb."""
-    base = model.get_decoder()
-    missing = [n for n in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, n)]
-    missing += [] if hasattr(model, "lm_head") else ["lm_head"]
-    layer = base.layers[0] if hasattr(base, "layers") else None
-    missing += [f"layers[0].{n}" for n in LAYER_PARTS if not hasattr(layer, n)]
-    attn = getattr(layer, "self_attn", None)
-    missing += [f"self_attn.{n}" for n in ATTENTION_PARTS if not hasattr(attn, n)]
-    extra = [f"self_attn.{n}" for n in ("q_norm", "k_norm") if hasattr(attn, n)]
-    rotate = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
-    if missing or extra or rotate is None:
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: the decode engine drives pre-norm decoders laid out as Llama, Mistral or Qwen2 "
-            f"({', '.join(LAYER_PARTS)}; attention {', '.join(ATTENTION_PARTS)}, apply_rotary_pos_emb); "
-            f"missing {missing + ([] if rotate else ['apply_rotary_pos_emb'])}, unexpected {extra}")
-    if layer_types := mixed_layer_types(model.config.get_text_config(decoder=True)):
-        raise UnsupportedModelError(f"{type(model).__name__}: the decode engine supports full-attention layers only, not {layer_types}")
-    return rotate
+    def _start(self, job: _Prefill, first: list[int]) -> None:
+        self.admissions += len(job.rows)
+        for row, slot, token in zip(job.rows, job.slots, first):
+            self.live[slot] = _Live(row, job.began, [token])
+            self._check(slot, 0)
 
+    def _segment(self) -> None:
+        began = time.perf_counter()
+        n = min(self.sync_every, min(self.sequences[s.index].max_new_tokens - len(s.tokens) for s in self.live.values()))
+        engine = self.engine
+        if self.graph is None and self.cache.use_kernels and engine.cuda_graph and engine.device.type == "cuda":
+            self.graph = engine.decode_step.capture(self.cache, self.tokens)
+            self._sync()
+            self.capture_s = time.perf_counter() - began
+            began = time.perf_counter()
+        for j in range(n):
+            self.graph.replay() if self.graph is not None else engine.decode_step.step(self.cache, self.tokens)
+            self.history[:, j].copy_(self.tokens)
+        history = self.history[:, :n].tolist()  # the segment's one host copy
+        self.steps += n
+        for slot, live in list(self.live.items()):
+            start = len(live.tokens)
+            live.tokens += history[slot]
+            self._check(slot, start)
+        self.decode_s += time.perf_counter() - began
 
-# The step between two attentions, in the modules' own order (transformers' LlamaDecoderLayer, LlamaAttention).
-
-def _qkv(layer, hidden: torch.Tensor, rotary, rotate):
-    """Input norm, projections and rotation of ``layer``: q, k, v [B, H, 1, D]."""
-    attn = layer.self_attn
-    x = layer.input_layernorm(hidden)
-    shape = (*x.shape[:-1], -1, attn.head_dim)
-    q, k, v = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-    q, k = rotate(q, k, *rotary)
-    return q, k, v
-
-
-def _finish(layer, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """The rest of ``layer`` after its attention output [B, Hq, 1, D]: o projection, residuals, MLP."""
-    hidden = hidden + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-
-
-def _enter(embed, rotary_emb, layer, tokens: torch.Tensor, positions: torch.Tensor, rotate):
-    hidden = embed(tokens[:, None])
-    rotary = rotary_emb(hidden, position_ids=positions[:, None].long())
-    return hidden, rotary, _qkv(layer, hidden, rotary, rotate)
-
-
-def _between(layer, next_layer, hidden: torch.Tensor, attn_out: torch.Tensor, rotary, rotate):
-    hidden = _finish(layer, hidden, attn_out)
-    return hidden, _qkv(next_layer, hidden, rotary, rotate)
-
-
-def _exit(layer, norm, lm_head, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """The greedy next tokens [B]."""
-    return lm_head(norm(_finish(layer, hidden, attn_out)[:, -1])).argmax(-1)
+    def _check(self, slot: int, start: int) -> None:
+        """End the sequence in ``slot`` if its tokens from ``start`` on hold an end id, complete a stop string, or
+        reach its limit."""
+        live = self.live[slot]
+        sequence, tokens = self.sequences[live.index], live.tokens
+        end = next((i for i in range(start, len(tokens)) if tokens[i] in sequence.end_ids), None)
+        finish = None
+        if sequence.stop:
+            decode = self.engine.decode
+            upto = len(tokens) if end is None else end
+            if any(s in decode(tokens[:upto]) for s in sequence.stop):
+                cut = next(n for n in range(start + 1, upto + 1) if any(s in decode(tokens[:n]) for s in sequence.stop))
+                finish = (cut, "stop")
+        if finish is None and end is not None:
+            finish = (end, "eos")
+        if finish is None and len(tokens) >= sequence.max_new_tokens:
+            finish = (sequence.max_new_tokens, "length")
+        if finish is None:
+            return
+        keep, reason = finish
+        self.completions[live.index] = Completion(tokens[:keep], reason, time.perf_counter() - live.began)
+        del self.live[slot]
+        self.cache.release(torch.tensor([slot], device=self.engine.device))
+        self.free.append(slot)
 
 
 def _micro_batches(lengths: list[int], budget: int) -> Iterator[list[int]]:

@@ -1,8 +1,10 @@
-"""Generation with one cache configuration: batched greedy decoding for accuracy (transformers.generate),
-throughput points on the static decode engine (pipeline.decode_engine)."""
+"""Generation with one cache configuration: the decode engine (pipeline.decode_engine) for every generating
+workload and the throughput sweep, transformers.generate where that engine cannot serve; teacher-forced
+fidelity over transformers caches."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -12,8 +14,12 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from kivi import KiviCache, KiviConfig, enable_kivi
 from kivi.cache import model_head_dim
 from kivi.fidelity import chunked_logprobs, compare
-from pipeline.decode_engine import DecodeEngine
+from kivi.static_cache import static_unsupported
+from pipeline.decode_engine import DecodeEngine, DecodeRun, Sequence
+from pipeline.decode_step import unsupported
 from pipeline.workloads import Request, render_prompt
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -21,12 +27,19 @@ class Generation:
     text: str
     prompt_tokens: int
     output_tokens: int
-    latency_s: float  # wall time of the batch it ran in
+    latency_s: float  # decode engine: from the request's prefill to its last token; generate: its batch's wall time
+    finish_reason: str | None = None  # "eos", "stop" or "length" (the decode engine's; None from generate)
 
 
 def new_cache(model: PreTrainedModel, kivi: KiviConfig | None):
     """The cache a run compares: DynamicCache for the fp16 baseline, KiviCache otherwise."""
     return DynamicCache(config=model.config) if kivi is None else KiviCache(model.config, kivi)
+
+
+def fallback_reason(model: PreTrainedModel, kivi: KiviConfig | None) -> str | None:
+    """Why generations under ``kivi`` go through transformers.generate instead of the decode engine (None: they do
+    not). ``model`` may live on the meta device: a driver decides before any weights load."""
+    return unsupported(model) or (static_unsupported(kivi) if kivi is not None else None)
 
 
 def fp16_bytes(model: PreTrainedModel, tokens: int) -> int:
@@ -44,16 +57,47 @@ class Engine:
         # A random-weight model may borrow a tokenizer with more ids than its vocabulary: every path folds
         # ids into it (what random weights write means nothing; the lengths, shapes and timings are real).
         self.vocab = model.config.get_text_config(decoder=True).vocab_size
-        self.decoder: DecodeEngine | None = None  # built on the first throughput point
+        self.decoder = None if unsupported(model) else DecodeEngine(model, decode=self._decode)
         self.warmed: set[str] = set()  # reprs of the caches the decoder has run once, untimed
+        self.last_run: DecodeRun | None = None  # the decode engine's last generate call (timings, slots)
+        self.logged: set[str] = set()  # caches whose fallback was logged
+        ends = model.generation_config.eos_token_id
+        ends = {ends} if isinstance(ends, int) else set(ends or ())
+        # What generate stops at, and the tokens a finished row of today's batches is padded with.
+        self.end_ids = frozenset(ends | ({tokenizer.eos_token_id, tokenizer.pad_token_id} - {None} if tokenizer else set()))
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _prompt_ids(self, requests: list[Request]) -> list[list[int]]:
+        texts = [render_prompt(self.tokenizer, r.prompt, r.chat) for r in requests]
+        return [[t % self.vocab for t in ids] for ids in self.tokenizer(texts, add_special_tokens=False).input_ids]
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], kivi: KiviConfig | None, batch_size: int) -> list[Generation]:
-        """Greedy generations in request order; each stops at its max_new_tokens, EOS or a stop string."""
-        out = []
-        for start in range(0, len(requests), batch_size):
-            out += self._generate_batch(requests[start : start + batch_size], kivi)
-        return out
+        """Greedy generations in request order, ``batch_size`` at a time (the decode engine's slots, refilled as
+        requests end; generate's batches); each stops at its max_new_tokens, EOS or a stop string."""
+        if reason := fallback_reason(self.model, kivi):
+            name = "fp16" if kivi is None else kivi.name
+            if name not in self.logged:
+                logger.info("%s: generating with transformers.generate, not the decode engine: %s", name, reason)
+                self.logged.add(name)
+            return self.generate_with_transformers(requests, kivi, batch_size)
+        prompts = self._prompt_ids(requests)
+        sequences = [Sequence(ids, r.max_new_tokens, frozenset() if r.meta.get("ignore_eos") else self.end_ids,
+                              tuple(r.meta.get("stop", ()))) for r, ids in zip(requests, prompts)]
+        self.last_run = self.decoder.generate(sequences, kivi, slots=batch_size)
+        return [Generation(_cut_at_stop(self._decode(c.tokens), r.meta.get("stop", [])), len(ids), len(c.tokens),
+                           c.latency_s, c.finish_reason)
+                for r, ids, c in zip(requests, prompts, self.last_run.completions)]
+
+    @torch.inference_mode()
+    def generate_with_transformers(self, requests: list[Request], kivi: KiviConfig | None,
+                                   batch_size: int) -> list[Generation]:
+        """transformers.generate over left-padded batches of ``batch_size``: the path of what the decode engine
+        cannot serve."""
+        return [g for start in range(0, len(requests), batch_size)
+                for g in self._generate_batch(requests[start : start + batch_size], kivi)]
 
     def _generate_batch(self, batch: list[Request], kivi: KiviConfig | None) -> list[Generation]:
         tok = self.tokenizer
@@ -95,10 +139,9 @@ class Engine:
         batch = requests[:batch_size]
         gen_len = max(r.max_new_tokens for r in batch)
         gen_len = min(gen_len, max_new_tokens) if max_new_tokens else gen_len
-        encoded = self.tokenizer([r.prompt for r in batch], add_special_tokens=False).input_ids
-        prompts = [[t % self.vocab for t in ids] for ids in encoded]
+        prompts = self._prompt_ids(batch)
         if self.decoder is None:
-            self.decoder = DecodeEngine(self.model)
+            raise ValueError(f"the throughput sweep runs on the decode engine: {unsupported(self.model)}")
         if repr(kivi) not in self.warmed:  # Triton builds this cache's kernels here, not in a timed prefill
             self.decoder.run(prompts, 2, kivi)
             self.warmed.add(repr(kivi))

@@ -103,7 +103,8 @@ def _byte_chars() -> dict[int, str]:
 def problems(tokenizer, vocab: GGUFVocab) -> tuple[list[str], list[str]]:
     """(errors, warnings): where ``tokenizer`` disagrees with the GGUF file's own tokenizer metadata."""
     errors, warnings = [], []
-    for name in ("bos_token_id", "eos_token_id"):
+    # The file may name a BOS it never prepends (Qwen2.5: <|endoftext|>, add_bos_token false): only a used one counts.
+    for name in ("bos_token_id", "eos_token_id")[0 if vocab.add_bos_token else 1 :]:
         mine, theirs = getattr(tokenizer, name), getattr(vocab, name)
         if theirs is not None and mine != theirs:
             errors.append(f"{name} is {mine} where the file names {theirs} ({vocab.tokens[theirs]!r})")

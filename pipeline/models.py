@@ -107,7 +107,7 @@ def check_model_spec(spec: str) -> None:
     """Cheap validation before anything is loaded (used by config validation)."""
     if spec.startswith(RANDOM_PREFIX):
         _random_shape(spec)
-    elif spec in PACKAGED_MODELS:
+    elif spec in PACKAGED_MODELS and not (model_cache_dir() / spec / "config.json").is_file():  # not converted yet
         _packaged_gguf_path(spec)
     elif spec.endswith(".gguf") and not Path(spec).is_file():
         raise ModelSpecError(f"model: GGUF file {spec} does not exist")
@@ -135,6 +135,12 @@ def load_model_config(spec: str) -> PretrainedConfig:
     source, gguf_file = _resolve(spec)
     with _explained_load_errors(spec):
         return AutoConfig.from_pretrained(source, gguf_file=gguf_file)
+
+
+def meta_model(model_config: PretrainedConfig) -> PreTrainedModel:
+    """The model's modules and shapes without memory (meta device): its layout, checked before weights load."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config)
 
 
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
@@ -194,10 +200,12 @@ def _resolve(spec: str) -> tuple[str, str | None]:
     return spec, None
 
 
-def converted_folder(name: str) -> Path:
+def converted_folder(name: str, gguf_file: Path | None = None) -> Path:
     """The packaged GGUF converted once to a bf16 transformers folder (GGUF loading dequantizes slowly).
 
     Also for tools that load a folder, e.g. lm-eval's ``pretrained=`` (``kivi-eval model-folder NAME``).
+    ``gguf_file``: the packaged model's GGUF brought by other means (a host without a package index), checked
+    against the packaged sha256.
     """
     if name not in PACKAGED_MODELS:
         raise ModelSpecError(f"model: {name!r} is not a packaged model; packaged: {sorted(PACKAGED_MODELS)}")
@@ -208,7 +216,7 @@ def converted_folder(name: str) -> Path:
     with FileLock(str(target) + ".lock"):
         if (target / "config.json").is_file():
             return target
-        gguf = _packaged_gguf_path(name)
+        gguf = _packaged_gguf_path(name) if gguf_file is None else _verified(name, Path(gguf_file))
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         _align_eos(tokenizer, model.config.eos_token_id)
@@ -224,6 +232,19 @@ def converted_folder(name: str) -> Path:
             if gguf.parent == _scratch_dir(name):
                 shutil.rmtree(gguf.parent, ignore_errors=True)
     return target
+
+
+def _verified(name: str, path: Path) -> Path:
+    entry = PACKAGED_MODELS[name]
+    if not path.is_file():
+        raise ModelSpecError(f"model: GGUF file {path} does not exist")
+    digest = hashlib.sha256()
+    with open(path, "rb") as src:
+        while chunk := src.read(1 << 24):
+            digest.update(chunk)
+    if entry.sha256 and digest.hexdigest() != entry.sha256:
+        raise ModelSpecError(f"model: {path} has sha256 {digest.hexdigest()}, not {name}'s {entry.sha256}")
+    return path
 
 
 def _scratch_dir(name: str) -> Path:

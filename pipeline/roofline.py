@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from triton.testing import do_bench
 
 from kivi import KiviConfig
 from kivi.cache import model_head_dim
 from pipeline.config import RunConfig
-from pipeline.models import load_model_config, load_tokenizer, resolve_dtype
+from pipeline.models import load_model_config, load_tokenizer, meta_model, resolve_dtype
 from pipeline.runner import workload_requests
 from pipeline.store import Store
 
@@ -52,12 +52,6 @@ def kv_bytes_per_token_head(context: int, kivi: KiviConfig | None, head_dim: int
     quantized = lambda n, bits: n * head_dim * (bits / 8 + 2 * item / g)  # codes + scale + zero
     full = (context - n_qk + context - n_qv) * head_dim * item
     return quantized(n_qk, kivi.k_bits) + quantized(n_qv, kivi.v_bits) + full
-
-
-def meta_model(model_config: PretrainedConfig) -> PreTrainedModel:
-    """The model's modules and shapes, without memory (meta device)."""
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config)
 
 
 def step_cost(model: PreTrainedModel, kivi: KiviConfig | None, prompt_lens: list[int], gen_len: int,

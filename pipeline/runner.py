@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from pipeline.archive import ArchiveWriter
 from pipeline.config import RunConfig
-from pipeline.models import load_tokenizer
+from pipeline.engine import fallback_reason
+from pipeline.models import load_model_config, load_tokenizer, meta_model
 from pipeline.worker import CRASH_ONCE_ENV, EvalWorker, RunContext, Shard
 from pipeline.workloads import Request, Workload, check_budget
 
@@ -30,6 +31,7 @@ class RunSummary:
     reused: int = 0  # shard × cache files already in the archive (a resumed run)
     sweeps: list[str] = field(default_factory=list)
     placements: list[dict] = field(default_factory=list)
+    fallbacks: dict[str, str] = field(default_factory=dict)  # cache -> why it generates with transformers.generate
 
 
 def new_run_id(kind: str) -> str:
@@ -63,9 +65,10 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
         shard_jobs, sweep_jobs, skipped = _plan(config, archive, summary)
         _execute(config, ctx, shard_jobs, sweep_jobs, summary, progress, in_process)
     except BaseException as err:  # an interrupt too: the manifest never stays "running" after the driver is gone
-        archive.update_run_status("failed", skipped=skipped, placements=summary.placements, error=describe_failure(err))
+        archive.update_run_status("failed", skipped=skipped, placements=summary.placements, fallbacks=summary.fallbacks,
+                                  error=describe_failure(err))
         raise
-    archive.update_run_status("complete", skipped=skipped, placements=summary.placements)
+    archive.update_run_status("complete", skipped=skipped, placements=summary.placements, fallbacks=summary.fallbacks)
     return summary
 
 
@@ -73,7 +76,12 @@ def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary):
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.spec)
     caches = list(config.kivi_configs())
     shard_jobs, sweep_jobs, skipped = [], [], {}
-    for name, workload in config.build_workloads().items():
+    workloads = config.build_workloads()
+    if any(w.kind == "accuracy" for w in workloads.values()):
+        summary.fallbacks = generation_fallbacks(config)
+        for cache, reason in summary.fallbacks.items():
+            print(f"{cache}: generating with transformers.generate, not the decode engine: {reason}", flush=True)
+    for name, workload in workloads.items():
         requests = workload_requests(workload, tokenizer, config.model.max_context)
         skipped[name] = dict(workload.skipped)
         if workload.kind == "throughput":
@@ -160,6 +168,13 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
     finally:
         for actor in actors:
             ray.kill(actor)
+
+
+def generation_fallbacks(config: RunConfig) -> dict[str, str]:
+    """Caches whose generations go through transformers.generate, and why; decided from the model's config alone
+    (its modules on the meta device), before any weights load."""
+    model = meta_model(load_model_config(config.model.spec))
+    return {name: reason for name, kivi in config.kivi_configs().items() if (reason := fallback_reason(model, kivi))}
 
 
 def workload_requests(workload: Workload, tokenizer, max_context: int) -> list[Request]:

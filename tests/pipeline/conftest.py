@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -54,3 +56,21 @@ def ray_head(tmp_path_factory):
             ray.shutdown()
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True)
         time.sleep(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory):
+    """tiny_model_folder(head_dim) -> a saved random 2-layer Llama (1 KV head) with SmolLM2's tokenizer."""
+    from pipeline.models import load_tokenizer
+
+    def make(head_dim: int) -> Path:
+        folder = tmp_path_factory.mktemp(f"tiny-llama-d{head_dim}")
+        tokenizer = load_tokenizer("smollm2-135m")
+        config = LlamaConfig(hidden_size=2 * head_dim, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return folder
+
+    return make

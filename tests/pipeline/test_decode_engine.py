@@ -10,7 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kivi import KiviCache, KiviConfig, enable_kivi
-from pipeline.decode_engine import DecodeEngine, UnsupportedModelError, _micro_batches
+from pipeline.decode_engine import DecodeEngine, _micro_batches
+from pipeline.decode_step import UnsupportedModelError
 
 KIVI_CACHES = [None, KiviConfig(residual_length=32), KiviConfig(k_bits=4, v_bits=2, group_size=16, residual_length=0)]
 CACHE_IDS = ["fp16", "kivi-2 R32", "k4v2 G16 R0"]

@@ -6,26 +6,18 @@ import json
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from kivi import KiviConfigError
 from kivi.fidelity import measure_fidelity
 from pipeline.cli import RUN_FAILED, main
-from pipeline.models import load_tokenizer
 from pipeline.store import Store
 
 
 @pytest.fixture(scope="module")
-def head_dim_48_model(tmp_path_factory):
-    """A random 2-layer Llama with head_dim 48, which KIVI's per-token value groups of 32 cannot split."""
-    folder = tmp_path_factory.mktemp("head-dim-48")
-    tokenizer = load_tokenizer("smollm2-135m")
-    config = LlamaConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+def head_dim_48_model(tiny_model_folder):
+    """A random Llama with head_dim 48, which KIVI's per-token value groups of 32 cannot split."""
+    return tiny_model_folder(48)
 
 
 def test_a_run_stopped_by_its_cache_is_marked_failed_gated_and_reported_as_partial(head_dim_48_model, data_dir,

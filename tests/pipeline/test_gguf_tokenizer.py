@@ -1,14 +1,15 @@
 """A GGUF's tokenizer checked against the file's own metadata at load: the shipped SmolLM2 passes, a file
 whose vocabulary transformers converts wrongly is refused with one message naming the problem and the fix."""
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
 import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from pipeline.gguf_tokenizer import PROBE, GGUFVocab
-from pipeline.models import ModelSpecError, load_tokenizer
+from pipeline.gguf_tokenizer import PROBE, GGUFVocab, problems
+from pipeline.models import ModelSpecError, converted_folder, load_tokenizer
 
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -73,3 +74,20 @@ def test_the_same_sentencepiece_vocabulary_with_consistent_merges_passes(smollm2
     write_sentencepiece_gguf(smollm2_gguf, path, merges_kept=10**9)
     tokenizer = load_tokenizer(str(path))
     assert tokenizer.convert_ids_to_tokens(tokenizer(PROBE, add_special_tokens=False).input_ids)[1] == "▁capital"
+
+
+def test_a_packaged_model_converts_from_a_gguf_brought_by_hand_only_when_its_sha256_matches(smollm2_gguf, tmp_path,
+                                                                                            monkeypatch):
+    monkeypatch.setenv("KIVI_MODEL_CACHE", str(tmp_path))
+    with pytest.raises(ModelSpecError, match=r"has sha256 [0-9a-f]{64}, not qwen2.5-coder-0.5b's 1d9614"):
+        converted_folder("qwen2.5-coder-0.5b", smollm2_gguf)
+    assert not (tmp_path / "qwen2.5-coder-0.5b").exists()
+
+
+def test_a_bos_the_file_names_but_never_prepends_is_not_held_against_the_tokenizer(smollm2_gguf):
+    # Qwen2.5's GGUF names <|endoftext|> as BOS with add_bos_token false; transformers' tokenizer has no BOS.
+    tokenizer = load_tokenizer(str(smollm2_gguf))
+    unused = dataclasses.replace(GGUFVocab.read(smollm2_gguf), bos_token_id=0, add_bos_token=False)
+    assert not any("bos_token_id" in e for e in problems(tokenizer, unused)[0])
+    used = dataclasses.replace(unused, add_bos_token=True)
+    assert any(e.startswith("bos_token_id is 1 where the file names 0") for e in problems(tokenizer, used)[0])
