@@ -143,6 +143,7 @@ class KiviStaticLayer(_StaticLayer):
         self.values = allocate((batch, kv_heads, capacity, head_dim), config.v_bits, g, config.value_axis, dtype, device)
         self.key_resid = torch.zeros(batch, kv_heads, self.key_block, head_dim, dtype=dtype, device=device)
         self.value_ring = torch.zeros(batch, kv_heads, self.window + 1, head_dim, dtype=dtype, device=device)
+        self.view: torch.Tensor | None = None  # oracle path: float32 [2, B, Hkv, capacity, D], keys then values
         if state.use_kernels:
             from kernels.decode_attention import default_num_splits
 
@@ -172,6 +173,7 @@ class KiviStaticLayer(_StaticLayer):
         ring_pos = first + (torch.arange(w + 1, device=keys.device) - first) % (w + 1)
         self.key_resid[rows] = keys[seq, :, key_pos.clamp(0, tokens - 1)].transpose(1, 2)
         self.value_ring[rows] = values[seq, :, ring_pos.clamp(0, tokens - 1)].transpose(1, 2)
+        self.view = None  # the oracle's float32 view is rebuilt at the next step
 
     def _attend(self, query, key, value, scaling):
         index = self.state.batch_index
@@ -179,10 +181,18 @@ class KiviStaticLayer(_StaticLayer):
         self.key_resid[index, :, key_slot] = key
         self.value_ring[index, :, value_slot] = value
         if self.state.use_kernels:
-            out = self._attend_kernels(query, scaling)
+            return self._attend_kernels(query, scaling)
+        lengths = self.state.lengths()
+        if self.view is None:  # every stored token as attention reads it, built once per load and kept current
+            keys, values = self._materialize()
+            self.view = torch.zeros(2, *keys.shape[:2], self.state.capacity, keys.shape[3], device=keys.device)
+            self.view[0, :, :, : keys.shape[2]], self.view[1, :, :, : keys.shape[2]] = keys, values
         else:
-            out = attention_over_cache(query, *self._materialize(), self.state.lengths(), scaling)
-            self._flush_oracle()
+            self.view[0, index, :, self.state.positions.long()] = key.float()
+            self.view[1, index, :, self.state.positions.long()] = value.float()
+        longest = int(lengths.max())
+        out = attention_over_cache(query, self.view[0, :, :, :longest], self.view[1, :, :, :longest], lengths, scaling)
+        self._flush_oracle()
         return out
 
     def _attend_kernels(self, query, scaling):
@@ -227,12 +237,14 @@ class KiviStaticLayer(_StaticLayer):
             first = int(pos[b]) + 1 - kb
             for buf, part, row in zip(self.keys, q, (first // kw, first // g, first // g)):
                 buf[b, :, row : row + part.shape[2]] = part[0]
+            self.view[0, b, :, first : first + kb] = dequantize(q, cfg.k_bits, g, GROUP_DIM["channel"])[0]
         leaving = (pos >= w).nonzero()[:, 0]  # each of these sequences quantizes the value at position t - R
         if len(leaving):
             i = pos[leaving] - w
             q = quantize(self.value_ring[leaving, :, i % (w + 1)][:, :, None], cfg.v_bits, g, GROUP_DIM["token"])
             for buf, part in zip(self.values, q):
                 buf[leaving, :, i] = part[:, :, 0]
+            self.view[1, leaving, :, i] = dequantize(q, cfg.v_bits, g, GROUP_DIM["token"])[:, :, 0]
 
     def _buffers(self):
         return (*self.keys, *self.values, self.key_resid, self.value_ring)

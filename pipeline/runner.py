@@ -63,6 +63,8 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
     summary, skipped = RunSummary(run_id), None
     try:
         shard_jobs, sweep_jobs, skipped = _plan(config, archive, summary)
+        if summary.fallbacks:  # kept from the start: a killed driver's manifest says it too
+            archive.update_run_status("running", fallbacks=summary.fallbacks)
         _execute(config, ctx, shard_jobs, sweep_jobs, summary, progress, in_process)
     except BaseException as err:  # an interrupt too: the manifest never stays "running" after the driver is gone
         archive.update_run_status("failed", skipped=skipped, placements=summary.placements, fallbacks=summary.fallbacks,
