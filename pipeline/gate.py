@@ -7,7 +7,6 @@ starts with "missing" or "incomplete": the gate fails closed. Drops are in point
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kivi.config import did_you_mean
 from pipeline.archive import FP16, ArchiveWriter
 
 if TYPE_CHECKING:  # DuckDB is the driver's: Ray actors import the config (and these rules) without it
@@ -311,7 +311,7 @@ def parse_gate(data: Any, source: str = "gate rules") -> GateConfig:
             raise GateConfigError(f"{source}: rules[{i}] must be a mapping like {{name: …, kind: max_drop, …}}")
         kind = rule.get("kind")
         if kind not in RULE_KINDS:
-            raise GateConfigError(f"{source}: rules[{i}].kind={kind!r} is not a rule kind{_suggest(kind, RULE_KINDS)}; "
+            raise GateConfigError(f"{source}: rules[{i}].kind={kind!r} is not a rule kind{did_you_mean(kind, RULE_KINDS)}; "
                                   f"valid kinds: {valid}")
     try:
         return GateConfig.model_validate(data)
@@ -328,13 +328,8 @@ def _describe(err: Mapping[str, Any], data: Mapping[str, Any]) -> str:
         where = where.replace(f"rules[{loc[1]}]", f"rules[{loc[1]}] ({rule.get('name', 'unnamed')})", 1)
         if err["type"] == "extra_forbidden":
             fields = [f for f in RULE_KINDS[rule["kind"]].model_fields if f != "kind"]
-            message = f"unknown field{_suggest(str(loc[-1]), fields)}; fields of {rule['kind']}: {', '.join(fields)}"
+            message = f"unknown field{did_you_mean(str(loc[-1]), fields)}; fields of {rule['kind']}: {', '.join(fields)}"
     return f"{where}: {message}"
-
-
-def _suggest(name: Any, choices: Any) -> str:
-    close = difflib.get_close_matches(str(name), list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def evaluate(

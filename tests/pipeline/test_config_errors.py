@@ -20,7 +20,7 @@ def _kivi_eval_run(config: Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(workloads={"gsm8": {"n": 2}}), "workloads.gsm8: Unknown workload 'gsm8': did you mean 'gsm8k'?"),
+        (dict(workloads={"gsm8": {"n": 2}}), "workloads.gsm8: Unknown workload 'gsm8' (did you mean 'gsm8k'?)"),
         (dict(workloads={"gsm8k": {"n": 0}}), "workloads.gsm8k: workload 'gsm8k': option 'n'"),
         (dict(caches=["kivi-2"], cache_overrides={"kivi-2": {"residual_length": 100}}, workloads={"gsm8k": {"n": 2}}),
          "caches: KiviConfig.residual_length=100 must be >= 0 and a multiple of group_size=32; use 96 or 128"),
