@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kivi.config import did_you_mean
 from pipeline.archive import FP16, ArchiveWriter
+from pipeline.errors import InputError, read_yaml
 
 if TYPE_CHECKING:  # DuckDB is the driver's: Ray actors import the config (and these rules) without it
     from pipeline.store import Store
@@ -27,7 +27,7 @@ _EPS = 1e-9
 _SHOWN = 5  # failing cells or metrics listed in a detail before "…"
 
 
-class GateConfigError(ValueError):
+class GateConfigError(InputError):
     """Gate rules that do not validate; the message names the rule, the field and the fix."""
 
 
@@ -295,8 +295,7 @@ class GateConfig(BaseModel):
 
 def load_gate(path: str | os.PathLike[str]) -> GateConfig:
     """Read gate rules from a YAML file (``configs/gates/*.yaml``)."""
-    with open(path) as f:
-        return parse_gate(yaml.safe_load(f), source=str(path))
+    return parse_gate(read_yaml(Path(path), "gate rules file", GateConfigError), source=str(path))
 
 
 def parse_gate(data: Any, source: str = "gate rules") -> GateConfig:

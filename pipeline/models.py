@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -33,7 +34,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from kivi.config import did_you_mean
+from pipeline.errors import InputError
+
 RANDOM_PREFIX = "random:"
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # owner/name
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,7 @@ MODEL_SHAPES: dict[str, PretrainedConfig] = {
 }
 
 
-class ModelSpecError(ValueError):
+class ModelSpecError(InputError):
     """The model spec cannot be resolved; the message says what to install or pass instead."""
 
 
@@ -100,13 +105,18 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
 
 
 def check_model_spec(spec: str) -> None:
-    """Cheap validation before anything is loaded (used by config validation)."""
+    """Cheap validation before anything is loaded (used by config validation); it never asks the Hub."""
     if spec.startswith(RANDOM_PREFIX):
         _random_shape(spec)
     elif spec in PACKAGED_MODELS:
         _packaged_gguf_path(spec)
-    elif spec.endswith(".gguf") and not Path(spec).is_file():
-        raise ModelSpecError(f"model: GGUF file {spec} does not exist")
+    elif spec.endswith(".gguf"):
+        if not Path(spec).is_file():
+            raise ModelSpecError(f"model: GGUF file {spec} does not exist")
+    elif not Path(spec).is_dir() and not HUB_ID.fullmatch(spec):
+        # Not owner/name, so no Hub id: a typo of a packaged name fails here, not after a minute of Hub retries.
+        raise ModelSpecError(f"model: {spec!r} is no packaged model, random:<shape>, .gguf file, folder or Hub id "
+                             f"(owner/name){_closest_spec(spec)}; packaged: {sorted(PACKAGED_MODELS)}")
 
 
 def load_model(
@@ -248,8 +258,12 @@ def _strip_gguf_quantization(model: PreTrainedModel) -> None:
 def _random_shape(spec: str) -> PretrainedConfig:
     shape = spec[len(RANDOM_PREFIX) :]
     if shape not in MODEL_SHAPES:
-        raise ModelSpecError(f"model: unknown shape {shape!r}; known: {sorted(MODEL_SHAPES)}")
+        raise ModelSpecError(f"model: unknown shape {shape!r}{_closest_spec(spec)}; known: {sorted(MODEL_SHAPES)}")
     return MODEL_SHAPES[shape]
+
+
+def _closest_spec(spec: str) -> str:
+    return did_you_mean(spec, [*PACKAGED_MODELS, *(RANDOM_PREFIX + shape for shape in MODEL_SHAPES)])
 
 
 def _random_model(spec: str, device, dtype: torch.dtype) -> PreTrainedModel:

@@ -42,6 +42,14 @@ def test_the_example_gate_files_load(name: str) -> None:
     assert load_gate(REPO / "configs" / "gates" / f"{name}.yaml").rules
 
 
+def test_a_missing_or_malformed_rules_file_is_one_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(GateConfigError, match=r"nope.yaml: no such gate rules file"):
+        load_gate(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("rules: [\n")
+    with pytest.raises(GateConfigError, match=r"bad.yaml: not valid YAML"):
+        load_gate(tmp_path / "bad.yaml")
+
+
 def test_an_unknown_rule_kind_is_refused_with_a_suggestion_and_the_valid_kinds() -> None:
     with pytest.raises(GateConfigError, match=r"rules\[0\]\.kind='max_dropp'.*did you mean 'max_drop'.*cells_equal"):
         rules({"kind": "max_dropp", "workload": "gsm8k", "points": 2})
