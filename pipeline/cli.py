@@ -58,11 +58,11 @@ def gate(run_id: str, rules_path, archive: str, baseline_run_id: str | None = No
     rules = load_gate(rules_path)
     with _archive(archive, run_id) as store:  # an unknown baseline fails closed in the rules that need one
         verdicts = evaluate(store, run_id, rules, baseline_run_id)
-    write_verdicts(archive, run_id, verdicts)
+    write_verdicts(archive, run_id, verdicts, rules_path)
     columns = ["rule", "cache", "observed", "threshold", "passed", "detail"]
     print(format_table(columns, [[getattr(v, c) for c in columns] for v in verdicts]))
     code = exit_code(verdicts)
-    print(f"gate {'PASSED' if code == 0 else 'FAILED'} for {run_id}")
+    print(f"gate {'PASSED' if code == 0 else 'FAILED'} for {run_id} ({rules_path})")
     return code
 
 

@@ -339,9 +339,11 @@ def evaluate(
     return [v for rule in (rules.rules if isinstance(rules, GateConfig) else rules) for v in rule.check(ctx)]
 
 
-def write_verdicts(root: str | os.PathLike[str], run_id: str, verdicts: Sequence[Verdict]) -> Path:
-    """Store the verdicts in the archive, replacing those of an earlier evaluation of the run."""
-    return ArchiveWriter(root, run_id).write_verdicts([asdict(v) for v in verdicts])
+def write_verdicts(root: str | os.PathLike[str], run_id: str, verdicts: Sequence[Verdict],
+                   rules_path: str | os.PathLike[str]) -> Path:
+    """Store the verdicts of one rules file in the archive, replacing an earlier evaluation of that file only."""
+    rows = [asdict(v) | {"rules_path": str(rules_path)} for v in verdicts]
+    return ArchiveWriter(root, run_id).write_verdicts(Path(rules_path).stem, rows)
 
 
 def exit_code(verdicts: Sequence[Verdict]) -> int:
