@@ -32,7 +32,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kivi import KiviConfig
-from kivi.cache import mixed_layer_types
+from kivi.cache import FP16_BYTES, mixed_layer_types
 from kivi.static_cache import StaticCache
 
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -50,7 +50,7 @@ class DecodeRun:
     decode_s: float  # new_tokens - 1 decode steps
     capture_s: float  # warm-up and graph capture (0 without a graph)
     peak_mem_bytes: int | None  # CUDA: the run's peak allocated memory, weights included
-    cache_bytes: int  # the static cache's buffers
+    cache_bytes: int  # the static cache's buffers, model-dtype elements at 16 bits: that cache in a 16-bit model
 
     @property
     def step_s(self) -> float:
@@ -104,7 +104,7 @@ class DecodeEngine:
         self._sync()
         decode_s = time.perf_counter() - began
         return DecodeRun(out.cpu(), prefill_s, decode_s, capture_s,
-                         torch.cuda.max_memory_allocated(self.device) if cuda else None, cache.kv_bytes())
+                         torch.cuda.max_memory_allocated(self.device) if cuda else None, cache.kv_bytes(FP16_BYTES))
 
     def _prefill(self, prompts: list[list[int]], lengths: torch.Tensor, cache: StaticCache) -> torch.Tensor:
         """Run the model on the prompts in micro-batches, store their K/V; returns the first greedy tokens [B]."""

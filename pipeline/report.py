@@ -150,6 +150,10 @@ def _heatmaps(cells: list[dict[str, Any]], path: Path) -> None:
             if c["cache"] == cache:
                 grid[depths.index(c["depth"]), lengths.index(c["context_length"])] = c["score"]
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for (row, col), score in np.ndenumerate(grid):  # the value itself: colour alone hides 0.67 against 0.75
+            if not np.isnan(score):
+                ax.text(col, row, f"{score:.2f}", ha="center", va="center", fontsize="x-small",
+                        color="white" if score < 0.2 or score > 0.8 else "black")  # legible on dark red and green
         ax.set_title(cache, fontsize="small")
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45, fontsize="x-small")
         ax.set_yticks(range(len(depths)), [f"{100 * d:g}%" for d in depths], fontsize="x-small")

@@ -13,7 +13,8 @@ look better for it. Views:
   over the requests both caches answered (n_pairs), with n_fp16 and n_cache so that a partial run shows.
 - niah_cells: mean score per (context_length, depth) cell, from rows whose meta carries both keys.
 - throughput: per run / workload / cache, the largest batch without OOM, the best tokens/s, both as
-  ratios to fp16, and the KV compression fp16_kv_bytes / kv_bytes.
+  ratios to fp16, and the KV compression fp16_kv_bytes / kv_bytes (both count the model dtype at 16 bits, so
+  fp16 is 1.0 for a float32 model too).
 - baseline_deltas(candidate_run, baseline_run), baseline_task_deltas(...): table macros comparing two
   runs per workload (task) and cache; a baseline metric that the candidate lacks has candidate_score null.
 """

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
-from synthetic_archive import K2, write_gsm8k
+from synthetic_archive import K2, K4, write_gsm8k
 
+from pipeline import report as report_module
 from pipeline.archive import FP16, ArchiveWriter
 from pipeline.gate import evaluate, load_gate, write_verdicts
 from pipeline.report import write_report
@@ -51,6 +52,20 @@ def test_longbench_gets_a_per_task_table_with_each_task_delta(report: Path) -> N
     section = text.split("### longbench per task", 1)[1].split("\n\n", 2)[1]
     assert f"| narrativeqa | qa_f1          | {K2} | 50.00 | 47.75 | -2.25" in section
     assert "### gsm8k per task" not in text  # one task: the workload row says it all
+
+
+def test_each_niah_heatmap_cell_carries_its_score_as_text(shared_archive: Path, tmp_path: Path, monkeypatch) -> None:
+    figures = {}
+    monkeypatch.setattr(report_module, "_save", lambda fig, path: figures.setdefault(path.name, fig))
+    with Store(shared_archive) as store:
+        write_report(store, "nightly-a", tmp_path)
+    panels = {ax.get_title(): ax for ax in figures["niah-niah-niah.png"].axes if ax.get_title()}
+    assert sorted(panels) == sorted([FP16, K2, K4])
+    for cache, lost in ((FP16, {(2, 2)}), (K2, {(2, 1), (2, 2)}), (K4, {(2, 2)})):  # (length index, depth index)
+        texts = {tuple(t.get_position()): t.get_text() for t in panels[cache].texts}
+        assert len(texts) == 9
+        assert {cell for cell, text in texts.items() if text == "0.00"} == lost
+        assert {text for cell, text in texts.items() if cell not in lost} == {"1.00"}
 
 
 def test_the_throughput_table_gives_max_batch_and_the_ratio_to_fp16(report: Path) -> None:
