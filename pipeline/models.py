@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock
+from tokenizers.models import BPE
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -153,6 +154,11 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     if isinstance(eos, int) and tokenizer.eos_token_id != eos:
         # GGUF metadata can name another EOS than the model generates (SmolLM2: <|im_start|> vs <|im_end|>).
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and isinstance(backend.model, BPE):
+        # The GGUF conversion asks for WordPiece's space clean-up, which transformers skips for BPE with a warning
+        # on every run: turning it off changes no text.
+        tokenizer.clean_up_tokenization_spaces = False
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
