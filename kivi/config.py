@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 BIT_WIDTHS = (2, 4, 8, 16)  # 16 keeps the stream in the model dtype
 AXES = ("channel", "token")
@@ -50,7 +50,7 @@ class KiviConfig:
             allowed = {f.name for f in dataclasses.fields(self)} - {"layer_overrides", "sink_tokens"}
             for name in override:
                 if name not in allowed:
-                    raise KiviConfigError(f"{where}: unknown field {name!r}{_suggest(name, allowed)}")
+                    raise KiviConfigError(f"{where}: unknown field {name!r}{did_you_mean(name, allowed)}")
             try:
                 dataclasses.replace(self, layer_overrides={}, **override)
             except KiviConfigError as err:
@@ -79,7 +79,7 @@ class KiviConfig:
     def from_name(cls, name: str) -> KiviConfig:
         """A named preset: see ``PRESETS``."""
         if name not in PRESETS:
-            raise KiviConfigError(f"unknown KIVI preset {name!r}{_suggest(name, PRESETS)}; presets: {', '.join(PRESETS)}")
+            raise KiviConfigError(f"unknown KIVI preset {name!r}{did_you_mean(name, PRESETS)}; presets: {', '.join(PRESETS)}")
         return cls(**PRESETS[name])
 
 
@@ -105,7 +105,7 @@ def _validate(cfg: KiviConfig) -> None:
     for name in ("key_axis", "value_axis"):
         axis = getattr(cfg, name)
         if axis not in AXES:
-            raise KiviConfigError(f"{prefix}.{name}={axis!r}{_suggest(str(axis), AXES)}; use one of {AXES}")
+            raise KiviConfigError(f"{prefix}.{name}={axis!r}{did_you_mean(axis, AXES)}; use one of {AXES}")
     g, r = cfg.group_size, cfg.residual_length
     # A group must fill whole int32 words at the narrowest width (16 two-bit codes per word).
     if not isinstance(g, int) or g <= 0 or g % 16:
@@ -117,6 +117,14 @@ def _validate(cfg: KiviConfig) -> None:
         raise KiviConfigError(f"{prefix}.sink_tokens={cfg.sink_tokens!r} must be an int >= 0")
 
 
-def _suggest(name: str, choices) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+def did_you_mean(name: Any, choices: Iterable[Any], n: int = 1) -> str:
+    """' (did you mean 'x'?)' naming the up to n choices closest to name, or '' when none is close.
+
+    The one spelling suggestion of every name this project reads (presets, config keys, workloads, gate
+    rules, model specs, run ids); kivi is the lowest layer, so pipeline/ imports it from here.
+    """
+    close = [repr(c) for c in difflib.get_close_matches(str(name), [str(c) for c in choices], n=n)]
+    if not close:
+        return ""
+    names = close[0] if len(close) == 1 else f"{', '.join(close[:-1])} or {close[-1]}"
+    return f" (did you mean {names}?)"

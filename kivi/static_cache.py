@@ -91,8 +91,9 @@ class _StaticLayer:
         flush. Returns [B, Hq, 1, D]."""
         return self._attend(query, key[:, :, 0], value[:, :, 0], scaling)
 
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self._buffers())
+    def nbytes(self, float_bytes: int | None = None) -> int:
+        return sum(t.numel() * (float_bytes or t.element_size()) if t.is_floating_point() else t.nbytes
+                   for t in self._buffers())
 
 
 class DenseStaticLayer(_StaticLayer):
@@ -306,6 +307,7 @@ class StaticCache:
         """End of a decode step: every sequence holds one more token."""
         self.state.advance()
 
-    def kv_bytes(self) -> int:
-        """Bytes of every cache buffer (allocated for the whole capacity)."""
-        return sum(layer.nbytes() for layer in self.layers)
+    def kv_bytes(self, float_bytes: int | None = None) -> int:
+        """Bytes of every cache buffer (allocated for the whole capacity). ``float_bytes`` counts each element in
+        the model dtype (dense K/V, scales, zeros, residuals) at that size: 2 gives the cache of a 16-bit model."""
+        return sum(layer.nbytes(float_bytes) for layer in self.layers)

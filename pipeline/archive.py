@@ -5,7 +5,10 @@ Layout under the archive root (partition columns live in the path only, as hive 
     results/run_id=<id>/workload=<w>/cache=<c>/shard-<NNNNN>.parquet
     perf/run_id=<id>/workload=<w>/cache=<c>/batch-<NNNNN>.parquet
     runs/run_id=<id>/run.parquet
-    verdicts/run_id=<id>/verdicts.parquet
+    verdicts/run_id=<id>/rules-<rules>.parquet    one per rules file (<rules>: its name without .yaml)
+
+Archives written before verdicts were kept per rules file hold ``verdicts/run_id=<id>/verdicts.parquet``;
+it reads as verdicts whose ``rules`` is null.
 
 Every file is written to ``<name>.tmp-<uuid>`` in its final folder, fsynced and renamed with
 ``os.replace``: readers see either the old file or the new one, a rerun of a shard replaces it, and a
@@ -111,13 +114,15 @@ RUNS = TableSpec(
 VERDICTS = TableSpec(
     name="verdicts",
     schema=pa.schema([
-        ("run_id", pa.string()), ("rule", pa.string()), ("kind", pa.string()), ("cache", pa.string()),
+        ("run_id", pa.string()),
+        ("rules", pa.string()), ("rules_path", pa.string()),  # the rules file's name (without .yaml) and path as given
+        ("rule", pa.string()), ("kind", pa.string()), ("cache", pa.string()),
         ("baseline_run_id", pa.string()), ("observed", pa.float64()), ("threshold", pa.float64()),
         ("passed", pa.bool_()), ("detail", pa.string()),
     ]),
     partitions=("run_id",),
-    required=("run_id", "rule", "kind", "passed"),
-    glob="verdicts/*/verdicts.parquet",
+    required=("run_id", "rules", "rule", "kind", "passed"),
+    glob="verdicts/*/*.parquet",
 )
 
 TABLES: dict[str, TableSpec] = {t.name: t for t in (RESULTS, PERF, RUNS, VERDICTS)}
@@ -275,10 +280,11 @@ class ArchiveWriter:
             row["fallbacks"] = fallbacks
         return self.write_run(row)
 
-    def write_verdicts(self, rows: list[dict[str, Any]]) -> Path:
-        """Replace the run's verdict rows (a re-evaluated gate supersedes the previous verdicts)."""
-        table = to_table(VERDICTS, [_with_partition(VERDICTS, row, {"run_id": self.run_id}) for row in rows])
-        path = self.root / "verdicts" / self._run_dir / "verdicts.parquet"
+    def write_verdicts(self, rules: str, rows: list[dict[str, Any]]) -> Path:
+        """Replace the run's verdicts of one rules file (re-evaluating it supersedes them; other files' stay)."""
+        fixed = {"run_id": self.run_id, "rules": rules}
+        table = to_table(VERDICTS, [_with_partition(VERDICTS, row, fixed) for row in rows])
+        path = self.root / "verdicts" / self._run_dir / f"rules-{re.sub(r'[^A-Za-z0-9._+-]', '_', rules)}.parquet"
         write_atomic(table.select(VERDICTS.file_schema.names), path)
         return path
 

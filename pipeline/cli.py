@@ -4,7 +4,11 @@
     kivi-eval gate RUN_ID --rules configs/gates/nightly.yaml
     kivi-eval report RUN_ID
     kivi-eval query "SELECT * FROM kivi_deltas"
+    kivi-eval runs [--last 10]                    # the archive's runs, newest first
     kivi-eval model-folder smollm2-135m           # a packaged model as a transformers folder (e.g. for lm-eval)
+
+Each command imports what it needs when it runs: the archive commands (gate, report, query, runs) start
+without torch, transformers or Ray.
 """
 
 from __future__ import annotations
@@ -13,7 +17,15 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipeline.errors import InputError
+
+if TYPE_CHECKING:
+    from pipeline.store import Store
 
 DEFAULT_ARCHIVE = os.environ.get("KIVI_ARCHIVE", "archive")
 RUN_FAILED = 3  # exit code of a run that stopped (0: every gate rule passed, 1: a rule failed, 2: bad input)
@@ -54,33 +66,60 @@ def run_config(config_path: str, run_id: str | None = None, archive: str | None 
 
 def gate(run_id: str, rules_path, archive: str, baseline_run_id: str | None = None) -> int:
     from pipeline.gate import evaluate, exit_code, load_gate, write_verdicts
-    from pipeline.store import Store, format_table
+    from pipeline.store import format_table
 
-    with Store(archive) as store:
-        verdicts = evaluate(store, run_id, load_gate(rules_path), baseline_run_id)
-    write_verdicts(archive, run_id, verdicts)
+    rules = load_gate(rules_path)
+    with _archive(archive, run_id) as store:  # an unknown baseline fails closed in the rules that need one
+        verdicts = evaluate(store, run_id, rules, baseline_run_id)
+    write_verdicts(archive, run_id, verdicts, rules_path)
     columns = ["rule", "cache", "observed", "threshold", "passed", "detail"]
     print(format_table(columns, [[getattr(v, c) for c in columns] for v in verdicts]))
     code = exit_code(verdicts)
-    print(f"gate {'PASSED' if code == 0 else 'FAILED'} for {run_id}")
+    print(f"gate {'PASSED' if code == 0 else 'FAILED'} for {run_id} ({rules_path})")
     return code
 
 
 def report(run_id: str, archive: str, out: str) -> Path:
     from pipeline.report import write_report
-    from pipeline.store import Store
 
-    with Store(archive) as store:
+    with _archive(archive, run_id) as store:
         path = write_report(store, run_id, Path(out) / run_id)
     print(f"report: {path}")
     return path
 
 
 def query(sql: str, archive: str) -> None:
-    from pipeline.store import Store, format_table
+    from pipeline.store import format_table
 
-    with Store(archive) as store:
+    with _archive(archive) as store:
         print(format_table(*store.query(sql)))
+
+
+def runs(archive: str, last: int | None = None) -> None:
+    from pipeline.store import NEWEST_FIRST, format_table
+
+    with _archive(archive) as store:
+        print(format_table(*store.query(f"SELECT * FROM run_summary {NEWEST_FIRST} LIMIT $1", [last])))
+
+
+@contextmanager
+def _archive(root: str, run_id: str | None = None) -> Iterator[Store]:
+    """The store over ``root``, which must hold runs, and ``run_id`` among them when one is given."""
+    from pipeline.store import Store
+
+    with Store(root) as store:
+        if not store.run_ids():
+            raise InputError(f"no archive at {root} ({Path(root).resolve()}): no run in its runs/, results/ or perf/ "
+                             "folders; pass --archive PATH or set KIVI_ARCHIVE")
+        if run_id is not None:
+            store.require_run(run_id)
+        yield store
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return int(text)
 
 
 def main(argv=None) -> int:
@@ -104,17 +143,14 @@ def main(argv=None) -> int:
     p = sub.add_parser("query", help="read-only SQL over the archive (views: results, perf, runs, verdicts, kivi_deltas …)")
     p.add_argument("sql")
     p.add_argument("--archive", default=DEFAULT_ARCHIVE)
+    p = sub.add_parser("runs", help="the archive's runs, newest first: kind, model, status, times, row counts")
+    p.add_argument("--archive", default=DEFAULT_ARCHIVE)
+    p.add_argument("--last", type=_positive, help="only the newest N runs")
     p = sub.add_parser("model-folder", help="print a packaged model's transformers folder (converted on first use)")
     p.add_argument("name")
     p.add_argument("--from-gguf", type=Path, help="convert from this copy of the packaged GGUF (sha256 checked), "
                                                   "where the packages cannot be installed")
     args = parser.parse_args(argv)
-
-    from pipeline.config import ConfigError
-    from pipeline.gate import GateConfigError
-    from pipeline.models import ModelSpecError
-    from pipeline.store import ReadOnlyError
-
     try:
         if args.command == "run":
             return run_config(args.config, args.run_id, args.archive, args.address, no_ray=args.no_ray)
@@ -122,6 +158,8 @@ def main(argv=None) -> int:
             return gate(args.run_id, args.rules, args.archive, args.baseline)
         if args.command == "report":
             report(args.run_id, args.archive, args.out)
+        elif args.command == "runs":
+            runs(args.archive, args.last)
         elif args.command == "model-folder":
             from pipeline.models import converted_folder
 
@@ -129,7 +167,7 @@ def main(argv=None) -> int:
         else:
             query(args.sql, args.archive)
         return 0
-    except (ConfigError, GateConfigError, ModelSpecError, ReadOnlyError) as err:
+    except InputError as err:
         print(f"kivi-eval: error: {err}", file=sys.stderr)
         return 2
 

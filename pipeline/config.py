@@ -12,18 +12,19 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
 from kivi import KiviConfig, KiviConfigError
+from kivi.config import did_you_mean
 from kivi.static_cache import static_unsupported
 from pipeline.archive import FP16
+from pipeline.errors import InputError, read_yaml, validation_problem
 from pipeline.gate import GateConfig, GateConfigError, load_gate
-from pipeline.models import ModelSpecError, check_model_spec
+from pipeline.models import RANDOM_PREFIX, ModelSpecError, check_model_spec
 from pipeline.workloads import DataSourceError, UnknownWorkloadError, Workload, WorkloadOptionError, get_workload
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """The config is invalid; the message names the file, the field and the fix."""
 
 
@@ -106,9 +107,7 @@ class RunConfig(_Section):
 def load_config(path: str | os.PathLike[str], **overrides: Any) -> RunConfig:
     """Read, validate and check a run config; every error is a ConfigError naming the field."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such config file")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = read_yaml(path, "config file", ConfigError) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     raw.update({k: v for k, v in overrides.items() if v is not None})
@@ -119,7 +118,8 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> RunConfig:
     try:
         config = RunConfig(**raw)
     except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors())
+        problems = "; ".join(f"{where or 'config'}: {message}"
+                             for where, message in (validation_problem(e, RunConfig) for e in err.errors()))
         raise ConfigError(f"{path}: {problems}") from None
     _check(config, path)
     return config
@@ -129,21 +129,38 @@ def _check(config: RunConfig, path: Path) -> None:
     def fail(field: str, err: Exception) -> None:
         raise ConfigError(f"{path}: {field}: {err}") from None
 
-    try:
-        check_model_spec(config.model.spec)
-    except ModelSpecError as err:
-        fail("model.spec", err)
-    for preset in config.cache_overrides:
+    model = config.model
+    for field, spec in (("model.spec", model.spec), ("model.tokenizer", model.tokenizer)):
+        if spec is not None:
+            try:
+                check_model_spec(spec)
+            except ModelSpecError as err:
+                fail(field, err)
+    if model.spec.startswith(RANDOM_PREFIX) and model.tokenizer is None:
+        fail("model.tokenizer", ValueError(f"{model.spec} has random weights and no tokenizer; set one, e.g. smollm2-135m"))
+    kivi_fields = [f.name for f in dataclasses.fields(KiviConfig)]
+    for preset, overrides in config.cache_overrides.items():
         if preset not in config.caches:
-            fail(f"cache_overrides.{preset}", ValueError(f"not in caches {list(config.caches)}"))
+            hint = did_you_mean(preset, config.caches)
+            fail(f"cache_overrides.{preset}", ValueError(f"not in caches {list(config.caches)}{hint}"))
+        for name in overrides:
+            if name not in kivi_fields:
+                fail(f"cache_overrides.{preset}.{name}",
+                     ValueError(f"not a KiviConfig field{did_you_mean(name, kivi_fields)}; fields: {', '.join(kivi_fields)}"))
     try:
         config.kivi_configs()
-    except (KiviConfigError, TypeError) as err:  # TypeError: an override names no KiviConfig field
+    except KiviConfigError as err:
         fail("caches", err)
+    if config.data_dir is not None and not config.data_dir.is_dir():
+        fail("data_dir", FileNotFoundError(f"no folder {config.data_dir}: point the config's top-level data_dir "
+                                           "(or KIVI_DATA_DIR) at the local data copies, e.g. ../shared/data"))
     if not config.workloads:
         fail("workloads", ValueError("name at least one workload"))
     sweeps = []
     for name, options in config.workloads.items():
+        if "data_dir" in options:
+            fail(f"workloads.{name}.data_dir", ValueError("data_dir is the config's top-level field (or KIVI_DATA_DIR), "
+                                                          "shared by every workload"))
         try:
             workload = get_workload(name, data_dir=config.data_dir, **options)
             workload.check_data()

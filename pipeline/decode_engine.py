@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kivi import KiviConfig
+from kivi.cache import FP16_BYTES
 from kivi.static_cache import StaticCache
 from pipeline.decode_step import DecodeStep
 
@@ -63,7 +64,7 @@ class DecodeRun:
     slots: int
     admissions: int  # sequences loaded into a slot (more than ``slots``: slots were refilled)
     peak_mem_bytes: int | None  # CUDA: the call's peak allocated memory, weights included
-    cache_bytes: int  # the static cache's buffers
+    cache_bytes: int  # the static cache's buffers, model-dtype elements at 16 bits: that cache in a 16-bit model
 
     @property
     def step_s(self) -> float:
@@ -111,7 +112,7 @@ class DecodeEngine:
         completions = batch.run()
         return DecodeRun(completions, batch.prefill_s, batch.decode_s, batch.capture_s, batch.steps, cache.state.batch,
                          batch.admissions, torch.cuda.max_memory_allocated(self.device) if cuda else None,
-                         cache.kv_bytes())
+                         cache.kv_bytes(FP16_BYTES))
 
 
 @dataclass

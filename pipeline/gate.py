@@ -7,17 +7,17 @@ starts with "missing" or "incomplete": the gate fails closed. Drops are in point
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kivi.config import did_you_mean
 from pipeline.archive import FP16, ArchiveWriter
+from pipeline.errors import InputError, read_yaml
 
 if TYPE_CHECKING:  # DuckDB is the driver's: Ray actors import the config (and these rules) without it
     from pipeline.store import Store
@@ -27,7 +27,7 @@ _EPS = 1e-9
 _SHOWN = 5  # failing cells or metrics listed in a detail before "…"
 
 
-class GateConfigError(ValueError):
+class GateConfigError(InputError):
     """Gate rules that do not validate; the message names the rule, the field and the fix."""
 
 
@@ -295,8 +295,7 @@ class GateConfig(BaseModel):
 
 def load_gate(path: str | os.PathLike[str]) -> GateConfig:
     """Read gate rules from a YAML file (``configs/gates/*.yaml``)."""
-    with open(path) as f:
-        return parse_gate(yaml.safe_load(f), source=str(path))
+    return parse_gate(read_yaml(Path(path), "gate rules file", GateConfigError), source=str(path))
 
 
 def parse_gate(data: Any, source: str = "gate rules") -> GateConfig:
@@ -311,7 +310,7 @@ def parse_gate(data: Any, source: str = "gate rules") -> GateConfig:
             raise GateConfigError(f"{source}: rules[{i}] must be a mapping like {{name: …, kind: max_drop, …}}")
         kind = rule.get("kind")
         if kind not in RULE_KINDS:
-            raise GateConfigError(f"{source}: rules[{i}].kind={kind!r} is not a rule kind{_suggest(kind, RULE_KINDS)}; "
+            raise GateConfigError(f"{source}: rules[{i}].kind={kind!r} is not a rule kind{did_you_mean(kind, RULE_KINDS)}; "
                                   f"valid kinds: {valid}")
     try:
         return GateConfig.model_validate(data)
@@ -328,13 +327,8 @@ def _describe(err: Mapping[str, Any], data: Mapping[str, Any]) -> str:
         where = where.replace(f"rules[{loc[1]}]", f"rules[{loc[1]}] ({rule.get('name', 'unnamed')})", 1)
         if err["type"] == "extra_forbidden":
             fields = [f for f in RULE_KINDS[rule["kind"]].model_fields if f != "kind"]
-            message = f"unknown field{_suggest(str(loc[-1]), fields)}; fields of {rule['kind']}: {', '.join(fields)}"
+            message = f"unknown field{did_you_mean(str(loc[-1]), fields)}; fields of {rule['kind']}: {', '.join(fields)}"
     return f"{where}: {message}"
-
-
-def _suggest(name: Any, choices: Any) -> str:
-    close = difflib.get_close_matches(str(name), list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def evaluate(
@@ -345,9 +339,11 @@ def evaluate(
     return [v for rule in (rules.rules if isinstance(rules, GateConfig) else rules) for v in rule.check(ctx)]
 
 
-def write_verdicts(root: str | os.PathLike[str], run_id: str, verdicts: Sequence[Verdict]) -> Path:
-    """Store the verdicts in the archive, replacing those of an earlier evaluation of the run."""
-    return ArchiveWriter(root, run_id).write_verdicts([asdict(v) for v in verdicts])
+def write_verdicts(root: str | os.PathLike[str], run_id: str, verdicts: Sequence[Verdict],
+                   rules_path: str | os.PathLike[str]) -> Path:
+    """Store the verdicts of one rules file in the archive, replacing an earlier evaluation of that file only."""
+    rows = [asdict(v) | {"rules_path": str(rules_path)} for v in verdicts]
+    return ArchiveWriter(root, run_id).write_verdicts(Path(rules_path).stem, rows)
 
 
 def exit_code(verdicts: Sequence[Verdict]) -> int:

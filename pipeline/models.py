@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock
+from tokenizers.models import BPE
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -34,9 +36,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from kivi.config import did_you_mean
 from pipeline import gguf_tokenizer
+from pipeline.errors import InputError
 
 RANDOM_PREFIX = "random:"
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # owner/name
 logger = logging.getLogger(__name__)
 
 
@@ -85,7 +90,7 @@ MODEL_SHAPES: dict[str, PretrainedConfig] = {
 }
 
 
-class ModelSpecError(ValueError):
+class ModelSpecError(InputError):
     """The model spec cannot be resolved; the message says what to install or pass instead."""
 
 
@@ -104,13 +109,19 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
 
 
 def check_model_spec(spec: str) -> None:
-    """Cheap validation before anything is loaded (used by config validation)."""
+    """Cheap validation before anything is loaded (used by config validation); it never asks the Hub."""
     if spec.startswith(RANDOM_PREFIX):
         _random_shape(spec)
-    elif spec in PACKAGED_MODELS and not (model_cache_dir() / spec / "config.json").is_file():  # not converted yet
-        _packaged_gguf_path(spec)
-    elif spec.endswith(".gguf") and not Path(spec).is_file():
-        raise ModelSpecError(f"model: GGUF file {spec} does not exist")
+    elif spec in PACKAGED_MODELS:
+        if not (model_cache_dir() / spec / "config.json").is_file():  # once converted, the packages may be absent
+            _packaged_gguf_path(spec)
+    elif spec.endswith(".gguf"):
+        if not Path(spec).is_file():
+            raise ModelSpecError(f"model: GGUF file {spec} does not exist")
+    elif not Path(spec).is_dir() and not HUB_ID.fullmatch(spec):
+        # Not owner/name, so no Hub id: a typo of a packaged name fails here, not after a minute of Hub retries.
+        raise ModelSpecError(f"model: {spec!r} is no packaged model, random:<shape>, .gguf file, folder or Hub id "
+                             f"(owner/name){_closest_spec(spec)}; packaged: {sorted(PACKAGED_MODELS)}")
 
 
 def load_model(
@@ -153,6 +164,11 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
         _align_eos(tokenizer, AutoConfig.from_pretrained(source, gguf_file=gguf_file).eos_token_id)
     if gguf_file:
         _check_gguf_tokenizer(tokenizer, Path(source, gguf_file), spec)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and isinstance(backend.model, BPE):
+        # The GGUF conversion asks for WordPiece's space clean-up, which transformers skips for BPE with a warning
+        # on every run: turning it off changes no text.
+        tokenizer.clean_up_tokenization_spaces = False
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -293,8 +309,12 @@ def _strip_gguf_quantization(model: PreTrainedModel) -> None:
 def _random_shape(spec: str) -> PretrainedConfig:
     shape = spec[len(RANDOM_PREFIX) :]
     if shape not in MODEL_SHAPES:
-        raise ModelSpecError(f"model: unknown shape {shape!r}; known: {sorted(MODEL_SHAPES)}")
+        raise ModelSpecError(f"model: unknown shape {shape!r}{_closest_spec(spec)}; known: {sorted(MODEL_SHAPES)}")
     return MODEL_SHAPES[shape]
+
+
+def _closest_spec(spec: str) -> str:
+    return did_you_mean(spec, [*PACKAGED_MODELS, *(RANDOM_PREFIX + shape for shape in MODEL_SHAPES)])
 
 
 def _random_model(spec: str, device, dtype: torch.dtype) -> PreTrainedModel:

@@ -6,6 +6,7 @@ Scores are shown in points (score × 100) and deltas as signed points, the units
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import os
 import re
@@ -153,6 +154,10 @@ def _heatmaps(cells: list[dict[str, Any]], path: Path) -> None:
             if c["cache"] == cache:
                 grid[depths.index(c["depth"]), lengths.index(c["context_length"])] = c["score"]
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for (row, col), score in np.ndenumerate(grid):  # the value itself: colour alone hides 0.67 against 0.75
+            if not np.isnan(score):
+                ax.text(col, row, f"{score:.2f}", ha="center", va="center", fontsize="x-small",
+                        color="white" if score < 0.2 or score > 0.8 else "black")  # legible on dark red and green
         ax.set_title(cache, fontsize="small")
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45, fontsize="x-small")
         ax.set_yticks(range(len(depths)), [f"{100 * d:g}%" for d in depths], fontsize="x-small")
@@ -202,14 +207,19 @@ def _sweep_plot(points: list[dict[str, Any]], path: Path) -> None:
 
 
 def _verdicts(store: Store, run_id: str) -> str:
-    rows = store.records("SELECT * FROM verdicts WHERE run_id = $1 ORDER BY rule, cache", [run_id])
-    if not rows:
-        return ""
-    passed = sum(r["passed"] for r in rows)
-    return f"## Gate: {passed} of {len(rows)} verdicts passed\n\n" + _table(
-        ["rule", "kind", "cache", "observed", "threshold", "result", "detail"],
-        [(r["rule"], r["kind"], r["cache"], r["observed"], r["threshold"], "pass" if r["passed"] else "**FAIL**", r["detail"])
-         for r in rows])
+    """One section per rules file the run was gated with: a nightly gate does not hide the smoke gate's verdicts."""
+    rows = store.records("SELECT * FROM verdicts WHERE run_id = $1 ORDER BY rules NULLS LAST, rule, cache", [run_id])
+    sections = []
+    for rules, group in itertools.groupby(rows, key=lambda r: r["rules"]):
+        group = list(group)
+        # Archives from before verdicts were kept per rules file hold one set with no rules recorded.
+        source = f"{rules} (`{group[0]['rules_path']}`)" if rules else "(rules file not recorded)"
+        table = _table(["rule", "kind", "cache", "observed", "threshold", "result", "detail"],
+                       [(r["rule"], r["kind"], r["cache"], r["observed"], r["threshold"],
+                         "pass" if r["passed"] else "**FAIL**", r["detail"]) for r in group])
+        passed = sum(r["passed"] for r in group)
+        sections.append(f"## Gate {source}: {passed} of {len(group)} verdicts passed\n\n{table}")
+    return "\n\n".join(sections)
 
 
 def _skipped(store: Store, run_id: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import importlib.metadata
+import logging
 import os
 import subprocess
 import time
@@ -51,6 +52,7 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
     ``in_process``: one worker in this process instead of Ray actors (same worker code, same archive).
     """
     run_id = run_id or new_run_id(config.kind)
+    tokenizer = load_tokenizer(config.model.tokenizer or config.model.spec)  # a bad spec fails before the first write
     archive = ArchiveWriter(config.archive, run_id)
     manifest = archive.read_run()
     started = manifest["started_at"] if manifest else dt.datetime.now(dt.UTC)
@@ -62,7 +64,7 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
         archive.update_run_status("running")
     summary, skipped = RunSummary(run_id), None
     try:
-        shard_jobs, sweep_jobs, skipped = _plan(config, archive, summary)
+        shard_jobs, sweep_jobs, skipped = _plan(config, archive, summary, tokenizer)
         if summary.fallbacks:  # kept from the start: a killed driver's manifest says it too
             archive.update_run_status("running", fallbacks=summary.fallbacks)
         _execute(config, ctx, shard_jobs, sweep_jobs, summary, progress, in_process)
@@ -74,10 +76,9 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
     return summary
 
 
-def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary):
-    tokenizer = load_tokenizer(config.model.tokenizer or config.model.spec)
+def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary, tokenizer):
     caches = list(config.kivi_configs())
-    shard_jobs, sweep_jobs, skipped = [], [], {}
+    shard_jobs, sweep_jobs, skipped, reused_sweeps = [], [], {}, 0
     workloads = config.build_workloads()
     if any(w.kind == "accuracy" for w in workloads.values()):
         summary.fallbacks = generation_fallbacks(config)
@@ -86,9 +87,14 @@ def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary):
     for name, workload in workloads.items():
         requests = workload_requests(workload, tokenizer, config.model.max_context)
         skipped[name] = dict(workload.skipped)
+        if workload.skipped:
+            reasons = "; ".join(f"{n} {reason}" for reason, n in sorted(workload.skipped.items()))
+            print(f"{name}: {len(requests)} requests, {workload.skipped.total()} data records skipped ({reasons})",
+                  flush=True)
         if workload.kind == "throughput":
             done = archive.perf_caches(name)
             sweep_jobs += [(name, requests, cache) for cache in caches if cache not in done]
+            reused_sweeps += len(done.intersection(caches))
             continue
         done = {cache: archive.done_shards(name, cache) for cache in caches}
         for shard in make_shards(name, requests, config.ray.shard_size):
@@ -96,6 +102,12 @@ def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary):
             summary.reused += len(caches) - len(todo)
             if todo:
                 shard_jobs.append((shard, todo))
+    pending = f"{sum(len(todo) for _, todo in shard_jobs)} shard × cache files and {len(sweep_jobs)} sweeps to compute"
+    if summary.reused or reused_sweeps:
+        print(f"resuming run {summary.run_id}: {summary.reused} shard × cache files and {reused_sweeps} sweeps reused "
+              f"from the archive, {pending}", flush=True)
+    else:
+        print(f"run {summary.run_id}: {pending}", flush=True)
     return shard_jobs, sweep_jobs, skipped
 
 
@@ -135,6 +147,8 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
     import ray
 
     if not ray.is_initialized():
+        # Each local start warns that Ray turned on token auth, its default: a line per run that asks nothing.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         ray.init(address=config.ray.address, log_to_driver=True)
     cluster = ray.cluster_resources()
     gpus = int(cluster.get("GPU", 0))

@@ -6,19 +6,22 @@ An errored request (score null, error set) counts as 0: a cache that crashes on 
 look better for it. Views:
 
 - results, perf, runs, verdicts: the archive tables (empty, with their columns, before any file exists).
+- run_summary: one row per run id in runs, results or perf: kind, model, status, times, and row counts.
 - task_scores: mean score per run / workload / task / cache, with n and n_errors.
 - workload_scores: per run / workload / cache; LongBench averages its task means, others average requests.
 - kivi_task_deltas, kivi_deltas: each non-fp16 cache vs fp16 of the same run, per task and per workload,
   over the requests both caches answered (n_pairs), with n_fp16 and n_cache so that a partial run shows.
 - niah_cells: mean score per (context_length, depth) cell, from rows whose meta carries both keys.
 - throughput: per run / workload / cache, the largest batch without OOM, the best tokens/s, both as
-  ratios to fp16, and the KV compression fp16_kv_bytes / kv_bytes.
+  ratios to fp16, and the KV compression fp16_kv_bytes / kv_bytes (both count the model dtype at 16 bits, so
+  fp16 is 1.0 for a float32 model too).
 - baseline_deltas(candidate_run, baseline_run), baseline_task_deltas(...): table macros comparing two
   runs per workload (task) and cache; a baseline metric that the candidate lacks has candidate_score null.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import re
 from collections.abc import Sequence
@@ -27,7 +30,9 @@ from typing import Any
 
 import duckdb
 
+from kivi.config import did_you_mean
 from pipeline.archive import FP16, TABLES, TableSpec
+from pipeline.errors import InputError
 
 # Workloads whose headline score is the mean of per-task means (LongBench's official average).
 TASK_AVERAGED_WORKLOADS = ("longbench",)
@@ -35,6 +40,17 @@ TASK_AVERAGED_WORKLOADS = ("longbench",)
 _AVERAGED = ", ".join(f"'{w}'" for w in TASK_AVERAGED_WORKLOADS)
 
 _VIEWS = {
+    "run_summary": """
+        WITH r AS (SELECT run_id, any_value(model) AS model, count(*) AS results, count(error) AS errors
+                   FROM results GROUP BY run_id),
+             p AS (SELECT run_id, any_value(model) AS model, count(*) AS perf_points FROM perf GROUP BY run_id),
+             v AS (SELECT run_id, count(*) AS verdicts FROM verdicts GROUP BY run_id)
+        SELECT run_id, m.kind, coalesce(m.model, r.model, p.model) AS model, m.status, m.started_at, m.finished_at,
+               coalesce(r.results, 0) AS results, coalesce(r.errors, 0) AS errors,
+               coalesce(p.perf_points, 0) AS perf_points, coalesce(v.verdicts, 0) AS verdicts
+        FROM (SELECT run_id FROM runs UNION SELECT run_id FROM results UNION SELECT run_id FROM perf)
+             LEFT JOIN runs m USING (run_id) LEFT JOIN r USING (run_id) LEFT JOIN p USING (run_id)
+             LEFT JOIN v USING (run_id)""",
     "task_scores": """
         SELECT run_id, model, workload, workload_version, task, cache, any_value(metric) AS metric,
                avg(coalesce(score, 0)) AS score, count(*) AS n, count(error) AS n_errors
@@ -112,8 +128,21 @@ _MACROS = [
 ]
 
 
-class ReadOnlyError(ValueError):
+# What a query may name, for the message of one that names something else.
+KNOWN = ", ".join([*TABLES, *_VIEWS, *(re.search(r"MACRO (\w+\(.*?\))", m)[1] for m in _MACROS)])
+NEWEST_FIRST = "ORDER BY started_at DESC NULLS LAST, run_id DESC"  # runs without a manifest row last
+
+
+class QueryError(InputError):
+    """A statement DuckDB cannot run over the archive (a typo in a name, a syntax error)."""
+
+
+class ReadOnlyError(QueryError):
     """A statement that could change state was refused."""
+
+
+class UnknownRunError(InputError):
+    """The archive holds no run of that id; the message names the closest ones."""
 
 
 class Store:
@@ -145,7 +174,10 @@ class Store:
     def query(self, sql: str, params: Sequence[Any] = ()) -> tuple[list[str], list[tuple]]:
         """Run one read-only statement (SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN); columns and rows."""
         self._check_read_only(sql)
-        cursor = self._con.execute(sql, list(params))
+        try:
+            cursor = self._con.execute(sql, list(params))
+        except duckdb.Error as e:
+            raise QueryError(f"{_one_line(e)} (tables, views and macros: {KNOWN})") from e
         return [d[0] for d in cursor.description], cursor.fetchall()
 
     def records(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
@@ -157,7 +189,7 @@ class Store:
         try:
             statements = self._con.extract_statements(sql)
         except duckdb.Error as e:
-            raise ReadOnlyError(f"cannot parse query: {e}") from e
+            raise ReadOnlyError(f"cannot parse query: {_one_line(e)}") from e
         if len(statements) != 1:
             raise ReadOnlyError(f"expected one statement, got {len(statements)}")
         statement = statements[0]
@@ -170,6 +202,18 @@ class Store:
                 f"only SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE and EXPLAIN are allowed; got {statement.type.name}"
             )
 
+    def run_ids(self) -> list[str]:
+        """Every run the archive holds (a manifest row, results or perf points), newest first."""
+        return [run_id for (run_id,) in self.query(f"SELECT run_id FROM run_summary {NEWEST_FIRST}")[1]]
+
+    def require_run(self, run_id: str) -> None:
+        """Raise UnknownRunError naming the closest and the newest runs unless the archive holds ``run_id``."""
+        known = self.run_ids()
+        if run_id not in known:
+            newest = ", ".join(known[:5]) + (", …" if len(known) > 5 else "")
+            raise UnknownRunError(f"no run {run_id!r} in the archive {self.root}{did_you_mean(run_id, known, n=3)}; "
+                                  f"newest runs: {newest or 'none'}")
+
     def close(self) -> None:
         self._con.close()
 
@@ -180,13 +224,23 @@ class Store:
         self.close()
 
 
+def _one_line(err: duckdb.Error) -> str:
+    """DuckDB's message without the quoted statement and its caret line, on one line."""
+    return " ".join(str(err).split("\n\nLINE ")[0].split())
+
+
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], floatfmt: str = ".4f", null: str = "NULL") -> str:
     """A pipe table (GitHub markdown) with padded columns, readable in a terminal too."""
 
     def cell(value: Any) -> str:
         if value is None:
             return null
-        text = format(value, floatfmt) if isinstance(value, float) else str(value)
+        if isinstance(value, float):
+            text = format(value, floatfmt)
+        elif isinstance(value, dt.datetime):  # run times to the second: the microseconds are noise in a table
+            text = value.isoformat(sep=" ", timespec="seconds")
+        else:
+            text = str(value)
         return text.replace("|", "\\|").replace("\n", " ")
 
     body = [[cell(v) for v in row] for row in rows]

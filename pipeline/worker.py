@@ -106,6 +106,9 @@ class EvalWorker:
                 point = dict(batch_size=batch, oom=True)
             rows.append(dict(model=self.ctx.config.model.spec, cache=cache, workload=workload,
                              device=self.device_name, **point))
+            # A sweep runs for minutes: one line per point, as run_shard prints per shard.
+            measured = "OOM" if point["oom"] else f"{point['tokens_per_s']:.1f} tokens/s"
+            print(f"{workload} sweep {cache} batch {batch}: {measured}", flush=True)
             if point["oom"]:
                 break
             batch *= 2

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline.errors import validation_problem
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -97,7 +99,7 @@ class Workload(ABC):
         try:
             self.options = self.Options(**options)
         except ValidationError as error:
-            problems = "; ".join(_describe(e) for e in error.errors())
+            problems = "; ".join(_describe(e, self.Options) for e in error.errors())
             known = ", ".join(self.Options.model_fields)
             raise WorkloadOptionError(f"workload '{self.name}': {problems} (options: {known})") from None
         # Records dropped by the last requests() call, counted per reason (malformed or filtered).
@@ -116,8 +118,6 @@ class Workload(ABC):
         raise TypeError(f"workload '{self.name}' is a {self.kind} workload: it has no score")
 
 
-def _describe(error: Any) -> str:
-    message = error["msg"].removeprefix("Value error, ")
-    if not error["loc"]:  # a rule across several options
-        return message
-    return f"option '{'.'.join(map(str, error['loc']))}': {message}"
+def _describe(error: Any, options: type[WorkloadOptions]) -> str:
+    where, message = validation_problem(error, options)
+    return f"option '{where}': {message}" if where else message  # no where: a rule across several options

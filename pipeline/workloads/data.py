@@ -23,7 +23,7 @@ class DataSourceError(RuntimeError):
 def local_path(data_dir: Path, *parts: str) -> Path:
     """data_dir/parts…, failing with the first path that does not exist."""
     if not data_dir.is_dir():
-        raise DataSourceError(f"data folder {data_dir} does not exist (workload option data_dir)")
+        raise DataSourceError(f"data folder {data_dir} does not exist (data_dir)")
     path = data_dir.joinpath(*parts)
     if not path.exists():
         raise DataSourceError(f"{path} does not exist (expected under data_dir {data_dir})")
@@ -32,7 +32,7 @@ def local_path(data_dir: Path, *parts: str) -> Path:
 
 def require_hub(repo_id: str) -> None:
     """Fail early, before any model loads, when the Hub cannot serve repo_id."""
-    hint = "set the workload option data_dir to a local copy of the data (e.g. ../shared/data)"
+    hint = "set data_dir (a run config's top-level data_dir, or KIVI_DATA_DIR) to a local copy of the data (e.g. ../shared/data)"
     if constants.HF_HUB_OFFLINE:
         raise DataSourceError(f"HF_HUB_OFFLINE is set, so dataset '{repo_id}' cannot be read from the Hub: {hint}")
     try:

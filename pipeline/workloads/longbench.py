@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
+from kivi.config import did_you_mean
 from pipeline.workloads.base import Request, Score, Workload, WorkloadOptions, prompt_tokens
 from pipeline.workloads.data import (
     DataSourceError, hub_file, local_path, parse_records, read_lines, require_hub, sample,
@@ -54,7 +55,8 @@ class LongBenchOptions(WorkloadOptions):
     def _known_tasks(cls, tasks: tuple[str, ...]) -> tuple[str, ...]:
         unknown = [task for task in tasks if task not in TASK_METRICS]
         if unknown or not tasks:
-            raise ValueError(f"unknown LongBench tasks {unknown}; known: {', '.join(TASKS)}")
+            hints = "".join(did_you_mean(task, TASKS) for task in unknown)
+            raise ValueError(f"unknown LongBench tasks {unknown}{hints}; known: {', '.join(TASKS)}")
         return tasks
 
     @model_validator(mode="after")

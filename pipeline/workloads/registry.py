@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from typing import Any
 
+from kivi.config import did_you_mean
 from pipeline.workloads.base import Workload
 
 _WORKLOADS: dict[str, type[Workload]] = {}
@@ -32,9 +32,7 @@ def workload_names() -> list[str]:
 
 def workload_class(name: str) -> type[Workload]:
     if name not in _WORKLOADS:
-        close = difflib.get_close_matches(name, _WORKLOADS, n=1)
-        hint = f": did you mean '{close[0]}'?" if close else "."
-        raise UnknownWorkloadError(f"Unknown workload '{name}'{hint} Known: {', '.join(workload_names())}")
+        raise UnknownWorkloadError(f"Unknown workload {name!r}{did_you_mean(name, _WORKLOADS)}. Known: {', '.join(workload_names())}")
     return _WORKLOADS[name]
 
 

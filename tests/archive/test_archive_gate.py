@@ -5,6 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from synthetic_archive import K2, K4, write_gsm8k
 
@@ -40,6 +42,14 @@ def store(shared_archive: Path) -> Store:
 @pytest.mark.parametrize("name", ["nightly", "canary", "smoke", "reproducible"])
 def test_the_example_gate_files_load(name: str) -> None:
     assert load_gate(REPO / "configs" / "gates" / f"{name}.yaml").rules
+
+
+def test_a_missing_or_malformed_rules_file_is_one_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(GateConfigError, match=r"nope.yaml: no such gate rules file"):
+        load_gate(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("rules: [\n")
+    with pytest.raises(GateConfigError, match=r"bad.yaml: not valid YAML"):
+        load_gate(tmp_path / "bad.yaml")
 
 
 def test_an_unknown_rule_kind_is_refused_with_a_suggestion_and_the_valid_kinds() -> None:
@@ -161,13 +171,38 @@ def test_exit_code_is_zero_only_when_there_are_verdicts_and_all_passed() -> None
 
 
 def test_written_verdicts_are_queryable_and_a_reevaluation_replaces_them(archive: Path) -> None:
-    gate = load_gate(REPO / "configs/gates/nightly.yaml")
+    path = REPO / "configs/gates/nightly.yaml"
     with Store(archive) as store:
-        write_verdicts(archive, "nightly-a", evaluate(store, "nightly-a", gate))
-    write_verdicts(archive, "nightly-a", [Verdict("only", "max_drop", K2, 0.0, 1.0, True, "rerun")])
+        write_verdicts(archive, "nightly-a", evaluate(store, "nightly-a", load_gate(path)), path)
+    write_verdicts(archive, "nightly-a", [Verdict("only", "max_drop", K2, 0.0, 1.0, True, "rerun")], path)
     with Store(archive) as store:
         assert store.query("SELECT rule, cache, passed, detail FROM verdicts WHERE run_id = 'nightly-a'")[1] == [
             ("only", K2, True, "rerun")]
+
+
+def test_each_rules_file_keeps_its_own_verdicts_named_after_it(archive: Path) -> None:
+    smoke, nightly = REPO / "configs/gates/smoke.yaml", REPO / "configs/gates/nightly.yaml"
+    with Store(archive) as store:
+        write_verdicts(archive, "nightly-a", evaluate(store, "nightly-a", load_gate(smoke)), smoke)
+        write_verdicts(archive, "nightly-a", evaluate(store, "nightly-a", load_gate(nightly)), nightly)
+    write_verdicts(archive, "nightly-a", [Verdict("only", "max_drop", K2, 0.0, 1.0, True, "rerun")], nightly)
+    with Store(archive) as store:
+        counts = store.query("SELECT rules, rules_path, count(*) FROM verdicts GROUP BY ALL ORDER BY rules")[1]
+    # The nightly gate ran last and was re-evaluated; the smoke gate's five verdicts are still there.
+    assert counts == [("nightly", str(nightly), 1), ("smoke", str(smoke), 5)]
+    assert sorted(p.name for p in (archive / "verdicts/run_id=nightly-a").iterdir()) == ["rules-nightly.parquet",
+                                                                                      "rules-smoke.parquet"]
+
+
+def test_verdicts_of_an_archive_from_before_rules_files_read_with_no_rules(archive: Path) -> None:
+    old = archive / "verdicts/run_id=nightly-a/verdicts.parquet"  # the layout before one file per rules file
+    old.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"rule": ["r0"], "kind": ["max_drop"], "cache": [K2], "baseline_run_id": [None],
+                             "observed": [1.0], "threshold": [2.0], "passed": [True], "detail": ["old"]}), old)
+    write_verdicts(archive, "nightly-a", [Verdict("new", "max_drop", K2, 0.0, 1.0, True, "")], "gates/smoke.yaml")
+    with Store(archive) as store:
+        assert store.query("SELECT rules, rule, detail FROM verdicts ORDER BY rule")[1] == [
+            ("smoke", "new", ""), (None, "r0", "old")]
 
 
 def test_the_canary_fails_closed_when_the_candidate_answered_fewer_requests_than_the_baseline(archive: Path) -> None:

@@ -1,6 +1,10 @@
+import subprocess
+import sys
+
 import pytest
 
 from kivi import KiviConfig, KiviConfigError
+from kivi.config import did_you_mean
 
 
 @pytest.mark.parametrize(
@@ -35,6 +39,20 @@ def test_a_misspelled_axis_or_preset_gets_a_suggestion():
         KiviConfig(key_axis="chanel")
     with pytest.raises(KiviConfigError, match="did you mean 'kivi-2'"):
         KiviConfig.from_name("kivi2")
+
+
+def test_did_you_mean_names_the_closest_choices_or_nothing():
+    presets = ["kivi-2", "kivi-4", "kivi-8", "unquantized"]
+    assert did_you_mean("kivi2", presets) == " (did you mean 'kivi-2'?)"
+    assert did_you_mean("kivi2", presets, n=3) == " (did you mean 'kivi-2', 'kivi-8' or 'kivi-4'?)"
+    assert did_you_mean("mmlu", presets) == ""
+
+
+def test_importing_the_config_loads_no_torch():
+    # kivi.config is the lowest layer: the CLI's archive commands import its names without torch.
+    code = "import sys, kivi.config; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
 
 
 def test_zero_residual_is_allowed_and_named():

@@ -20,7 +20,7 @@ def _kivi_eval_run(config: Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(workloads={"gsm8": {"n": 2}}), "workloads.gsm8: Unknown workload 'gsm8': did you mean 'gsm8k'?"),
+        (dict(workloads={"gsm8": {"n": 2}}), "workloads.gsm8: Unknown workload 'gsm8' (did you mean 'gsm8k'?)"),
         (dict(workloads={"gsm8k": {"n": 0}}), "workloads.gsm8k: workload 'gsm8k': option 'n'"),
         (dict(caches=["kivi-2"], cache_overrides={"kivi-2": {"residual_length": 100}}, workloads={"gsm8k": {"n": 2}}),
          "caches: KiviConfig.residual_length=100 must be >= 0 and a multiple of group_size=32; use 96 or 128"),
@@ -40,9 +40,55 @@ def test_a_bad_config_names_the_field_and_the_fix(write_config, data_dir, fields
     assert message in str(err.value)
 
 
+GSM8K = {"gsm8k": {"n": 2}}
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(generaton={"batch_size": 2}), "generaton: unknown field (did you mean 'generation'?)"),
+        (dict(generation={"batch_sise": 2}), "generation.batch_sise: unknown field (did you mean 'batch_size'?)"),
+        (dict(kind="nighty"), "kind: Input should be 'smoke', 'nightly' or 'canary' (did you mean 'nightly'?)"),
+        (dict(model={"spec": "smollm2-135m", "dtype": "float23"}), "model.dtype: Input should be 'auto', 'float32'"),
+        (dict(model={"spec": "smollm2-136m"}), "model.spec: model: 'smollm2-136m' is no packaged model"),
+        (dict(model={"spec": "smollm2-136m"}), "(did you mean 'smollm2-135m'?)"),
+        (dict(model={"spec": "random:llama-2-7", "tokenizer": "smollm2-135m"}), "(did you mean 'random:llama-2-7b'?)"),
+        (dict(model={"spec": "random:llama-2-7b"}), "model.tokenizer: random:llama-2-7b has random weights and no tokenizer"),
+        (dict(model={"spec": "random:llama-2-7b", "tokenizer": "smolm2-135m"}), "model.tokenizer: model: 'smolm2-135m'"),
+        (dict(cache_overrides={"kivi-2": {"k_bit": 4}}),
+         "cache_overrides.kivi-2.k_bit: not a KiviConfig field (did you mean 'k_bits'?)"),
+        (dict(cache_overrides={"kivi2": {"k_bits": 4}}),
+         "cache_overrides.kivi2: not in caches ['kivi-2', 'kivi-4'] (did you mean 'kivi-2'?)"),
+        (dict(workloads={"gsm8k": {"nn": 2}}), "workloads.gsm8k: workload 'gsm8k': option 'nn': unknown field (did you mean 'n'?)"),
+        (dict(workloads={"longbench": {"tasks": ["qaspr"]}}), "unknown LongBench tasks ['qaspr'] (did you mean 'qasper'?)"),
+        (dict(workloads={"gsm8k": {"n": 2, "data_dir": "/x"}}),
+         "workloads.gsm8k.data_dir: data_dir is the config's top-level field"),
+    ],
+)
+def test_a_misspelt_name_anywhere_in_the_config_gets_the_closest_valid_one(write_config, data_dir, fields, message):
+    fields.setdefault("workloads", GSM8K)
+    path = write_config(model=fields.pop("model", MODEL), data_dir=str(data_dir), **fields)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert message in str(err.value)
+
+
+def test_a_hub_id_of_the_form_owner_slash_name_passes_validation_without_asking_the_hub(write_config, data_dir):
+    path = write_config(model={"spec": "HuggingFaceTB/SmolLM2-135M-Instruct"}, data_dir=str(data_dir), workloads=GSM8K)
+    assert load_config(path).model.spec == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_a_config_that_is_not_yaml_is_one_error_naming_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("workloads: [\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml: not valid YAML: .*line 2"):
+        load_config(path)
+
+
 def test_a_missing_data_folder_is_named(write_config, tmp_path):
     path = write_config(model=MODEL, data_dir=str(tmp_path / "nowhere"), workloads={"gsm8k": {"n": 2}})
-    with pytest.raises(ConfigError, match=r"workloads.gsm8k: .*nowhere"):
+    # The config's own field, not a workload option: data_dir is top-level (or KIVI_DATA_DIR).
+    with pytest.raises(ConfigError, match=r"run.yaml: data_dir: no folder .*nowhere: point the config's top-level data_dir"):
         load_config(path)
 
 

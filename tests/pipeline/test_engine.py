@@ -1,6 +1,8 @@
 """The engine on a random-weight model whose vocabulary is smaller than its borrowed tokenizer's; the
 reproducibility probe."""
 
+import copy
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -33,6 +35,20 @@ def test_ids_past_the_vocabulary_fold_into_it_on_every_path():
     fidelity = Request("f", "fidelity", "fidelity", prompt * 8, 0, "{}", meta={"tokens": 48, "chunk": 16})
     stats = engine.teacher_forced(fidelity, KiviConfig(residual_length=32))
     assert stats["tokens"] == 48 and 0 <= stats["top1_agreement"] <= 1
+
+
+def test_kv_bytes_are_counted_at_16_bits_so_fp16_compresses_1x_in_a_float32_model_too():
+    float32 = tiny_engine()
+    bfloat16 = Engine(copy.deepcopy(float32.model).to(torch.bfloat16), float32.tokenizer)
+    requests = [Request(f"r{i}", "sharegpt", "sharegpt", "a haystack " * (20 + i), 4, "{}") for i in range(2)]
+    points = {(engine.model.dtype, kivi is None): engine.throughput(requests, kivi, batch_size=2, max_new_tokens=4)
+              for engine in (float32, bfloat16) for kivi in (None, KiviConfig(residual_length=32))}
+    for dtype in (torch.float32, torch.bfloat16):
+        fp16 = points[(dtype, True)]
+        assert fp16["kv_bytes"] == fp16["fp16_kv_bytes"]  # the report's "KV compression" reads 1.00
+    # KIVI's ratio is its ratio to a 16-bit cache, the same for either copy of the model.
+    kivi32, kivi16 = points[(torch.float32, False)], points[(torch.bfloat16, False)]
+    assert kivi32["kv_bytes"] == kivi16["kv_bytes"] and kivi32["fp16_kv_bytes"] == kivi16["fp16_kv_bytes"]
 
 
 def test_the_probe_counts_requests_decoded_the_same_in_two_passes(monkeypatch):

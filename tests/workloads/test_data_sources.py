@@ -18,7 +18,8 @@ def test_without_data_dir_an_offline_hub_fails_before_any_request_naming_both_wa
     workload = get_workload(name)
     # No tokenizer: the error must come before anything is tokenized (or any model loaded).
     for call in (workload.check_data, lambda: workload.requests(None, 4096)):
-        with pytest.raises(DataSourceError, match="HF_HUB_OFFLINE is set.*set the workload option data_dir"):
+        with pytest.raises(DataSourceError,
+                           match=r"HF_HUB_OFFLINE is set.*set data_dir \(a run config's top-level data_dir, or KIVI_DATA_DIR\)"):
             call()
 
 

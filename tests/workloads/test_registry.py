@@ -18,7 +18,7 @@ def test_a_misspelt_workload_name_suggests_the_closest_one_and_lists_all():
     with pytest.raises(UnknownWorkloadError) as error:
         get_workload("gsm8")
     assert str(error.value) == (
-        "Unknown workload 'gsm8': did you mean 'gsm8k'? Known: fidelity, gsm8k, longbench, niah, sharegpt"
+        "Unknown workload 'gsm8' (did you mean 'gsm8k'?). Known: fidelity, gsm8k, longbench, niah, sharegpt"
     )
 
 

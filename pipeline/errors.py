@@ -1,0 +1,50 @@
+"""Bad input: the base class of every error the CLI answers in one line, and pydantic errors worded for people."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kivi.config import did_you_mean
+
+
+class InputError(ValueError):
+    """A config, rules file, model spec, run id, archive or query that cannot be used; the message says the fix.
+
+    `kivi-eval` prints it as one line, ``kivi-eval: error: …``, and exits 2.
+    """
+
+
+def read_yaml(path: Path, what: str, error: type[InputError]) -> Any:
+    """The YAML document in ``path`` (a ``what``: "config file" …); a missing file or bad YAML raises ``error``."""
+    if not path.is_file():
+        raise error(f"{path}: no such {what}")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise error(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
+
+
+def validation_problem(error: Mapping[str, Any], model: Any) -> tuple[str, str]:
+    """(where, message) of one pydantic error of ``model``; an unknown field or choice names the closest valid one."""
+    loc = error["loc"]
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden" and (fields := _fields_at(model, loc[:-1])) is not None:
+        message = f"unknown field{did_you_mean(loc[-1], fields)}"
+    elif error["type"] == "literal_error":
+        message += did_you_mean(error["input"], re.findall(r"'([^']*)'", error["ctx"]["expected"]))
+    return ".".join(map(str, loc)), message
+
+
+def _fields_at(model: Any, loc: tuple) -> dict[str, Any] | None:
+    """The fields of the section at ``loc`` inside ``model`` (None where loc leaves the nested models)."""
+    for key in loc:
+        field = getattr(model, "model_fields", {}).get(key)
+        if field is None:
+            return None
+        model = field.annotation
+    return getattr(model, "model_fields", None)
