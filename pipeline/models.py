@@ -6,7 +6,7 @@ Spec forms accepted by ``load_model``:
 - ``random:llama-2-7b`` (or ``llama-3-8b``, ``mistral-7b``, …): randomly initialized model of a real shape,
   for speed and memory work where weights do not matter.
 - ``/path/to/model.gguf``: a GGUF file; ``/path/to/folder``: a saved transformers model.
-- anything else: a Hugging Face Hub id (``HuggingFaceTB/SmolLM2-135M-Instruct``).
+- ``owner/name``: a Hugging Face Hub id (``HuggingFaceTB/SmolLM2-135M-Instruct``); a spec of no form here is refused.
 """
 
 from __future__ import annotations
