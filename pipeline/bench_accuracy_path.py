@@ -31,7 +31,7 @@ from kivi import KiviCache, KiviConfig, enable_kivi
 from pipeline.decode_engine import DecodeEngine, Sequence
 from pipeline.engine import Engine
 from pipeline.models import load_model
-from pipeline.workloads import Request, get_workload
+from pipeline.workloads import get_workload, prompt_tokens
 
 CACHES = {"fp16": None, "kivi2": KiviConfig()}
 
@@ -83,7 +83,8 @@ def speed(args) -> dict:
     requests = [dataclasses.replace(r, meta={**r.meta, "stop": [], "ignore_eos": True})
                 for r in workload.requests(tokenizer, 4096)]
     engine = Engine(model, tokenizer)
-    out = {"prompt_tokens_mean": sum(len(tokenizer(r.prompt).input_ids) for r in requests) / len(requests)}
+    tokens = prompt_tokens(tokenizer, [r.prompt for r in requests], [r.chat for r in requests])
+    out = {"prompt_tokens_mean": sum(tokens) / len(tokens)}
     for name, kivi in CACHES.items():
         warm = [dataclasses.replace(r, max_new_tokens=4) for r in requests[: args.slots]]
         engine.generate(warm, kivi, args.slots)  # compiles the steps, builds the kernels: not timed

@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -33,9 +34,6 @@ from kivi import KiviConfig
 from kivi.cache import FP16_BYTES
 from kivi.static_cache import StaticCache
 from pipeline.decode_step import DecodeStep
-
-FINISH_REASONS = ("eos", "stop", "length")
-
 
 @dataclass(frozen=True)
 class Sequence:
@@ -50,7 +48,7 @@ class Sequence:
 @dataclass(frozen=True)
 class Completion:
     tokens: list[int]  # generated ids: an ending EOS left out, a stop string's tokens kept
-    finish_reason: str  # one of FINISH_REASONS
+    finish_reason: Literal["eos", "stop", "length"]
     latency_s: float  # from the start of its prefill to its last token
 
 

@@ -61,10 +61,12 @@ class Engine:
         self.warmed: set[str] = set()  # reprs of the caches the decoder has run once, untimed
         self.last_run: DecodeRun | None = None  # the decode engine's last generate call (timings, slots)
         self.logged: set[str] = set()  # caches whose fallback was logged
+        # What generate stops at (the model's EOS ids), and the tokenizer's EOS and padding, which end a row there.
         ends = model.generation_config.eos_token_id
         ends = {ends} if isinstance(ends, int) else set(ends or ())
-        # What generate stops at, and the tokens a finished row of today's batches is padded with.
-        self.end_ids = frozenset(ends | ({tokenizer.eos_token_id, tokenizer.pad_token_id} - {None} if tokenizer else set()))
+        if tokenizer is not None:
+            ends |= {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
+        self.end_ids = frozenset(ends)
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
