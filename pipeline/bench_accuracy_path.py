@@ -4,8 +4,8 @@
 
 1. ``check``: greedy tokens of the engine (CUDA graph, Triton kernels, slots refilled, long prompts chunked)
    against ``model.generate`` one prompt at a time (fp16: DynamicCache; KIVI: KiviCache on the PyTorch
-   oracle), on a small random model with peaky logits; where they first differ, the gap between generate's
-   two best logits there says whether it was a tie.
+   oracle), on a small random model with peaky logits, or with ``--check-model`` on a real model's GSM8K
+   prompts; where they first differ, the gap between generate's two best logits there says whether it was a tie.
 2. ``speed``: ``--n`` GSM8K prompts (lm-eval's 8-shot prompt) on ``--model``, every request decoding ``--new``
    tokens on both paths (EOS and stop strings off, so both do the same work): the pipeline's engine with
    ``--slots`` slots, and today's generate path (``Engine`` falling back to ``transformers.generate``, batches
@@ -36,20 +36,33 @@ from pipeline.workloads import get_workload, prompt_tokens
 CACHES = {"fp16": None, "kivi2": KiviConfig()}
 
 
-def check(device: str = "cuda") -> list[dict]:
+def peaky_random_check(device: str = "cuda") -> tuple:
+    """A small random model with peaky logits (few ties) and 12 random prompts of 40-900 tokens."""
     config = LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, initializer_range=0.2)  # peaky: few ties
+                         num_attention_heads=8, num_key_value_heads=2, initializer_range=0.2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(device, torch.float16).eval()
-    model.generation_config.eos_token_id = None
     gen = torch.Generator().manual_seed(1)
     lengths = torch.randint(40, 900, (12,), generator=gen).tolist()
     news = torch.randint(30, 160, (12,), generator=gen).tolist()
-    prompts = [torch.randint(1, 2048, (n,), generator=gen).tolist() for n in lengths]
+    return model, [torch.randint(1, 2048, (n,), generator=gen).tolist() for n in lengths], news
+
+
+def real_model_check(spec: str, data_dir: Path, n: int, new: int, device: str = "cuda") -> tuple:
+    """A real model (in its own dtype) on its first ``n`` GSM8K prompts as the pipeline renders them."""
+    model, tokenizer = load_model(spec, device)
+    requests = get_workload("gsm8k", data_dir=data_dir, n=n).requests(tokenizer, 4096)
+    return model, Engine(model, tokenizer).prompt_ids(requests), [new] * len(requests)
+
+
+def check(model, prompts: list[list[int]], news: list[int], slots: int = 4) -> list[dict]:
+    """Every prompt decodes its ``news`` tokens (EOS off) on the engine and on generate alone."""
+    model.generation_config.eos_token_id = None
+    device = model.device
     engine = DecodeEngine(model, prefill_tokens=512, sync_every=8)
     rows = []
     for name, kivi in (("fp16", None), ("kivi-2", KiviConfig()), ("kivi-2-r32", KiviConfig(residual_length=32))):
-        run = engine.generate([Sequence(p, n) for p, n in zip(prompts, news)], kivi, slots=4)
+        run = engine.generate([Sequence(p, n) for p, n in zip(prompts, news)], kivi, slots=slots)
         enable_kivi(model)
         for prompt, new, completion in zip(prompts, news, run.completions):
             ids = torch.tensor([prompt], device=device)
@@ -123,19 +136,35 @@ def main(argv=None) -> None:
     parser.add_argument("--generate-batch", type=int, default=16)
     parser.add_argument("--generate-prompts", type=int, default=32)
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--check-model", help="run the check on this real model's GSM8K prompts (default: a peaky random model)")
+    parser.add_argument("--check-prompts", type=int, default=8)
+    parser.add_argument("--check-new", type=int, default=96)
+    parser.add_argument("--check-only", action="store_true", help="the check alone: no speed runs")
     parser.add_argument("--json", type=Path, default=Path("accuracy-path.json"))
     args = parser.parse_args(argv)
     meta = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), git=git_sha(),
                 torch=torch.__version__, model=args.model, n=args.n, new=args.new, slots=args.slots,
                 generate_batch=args.generate_batch, generate_prompts=args.generate_prompts)
-    rows = [] if args.skip_check else check()
-    result = {**meta, "check": rows, **speed(args)}
+    if args.skip_check:
+        rows = []
+    elif args.check_model:
+        meta["check_model"] = args.check_model
+        rows = check(*real_model_check(args.check_model, args.data_dir, args.check_prompts, args.check_new))
+    else:
+        rows = check(*peaky_random_check())
+    result = {**meta, "check": rows, **({} if args.check_only else speed(args))}
     args.json.write_text(json.dumps(result, indent=1))
+    _print_check(rows)
+    if args.check_only:
+        return
     print(f"{'cache':6} {'engine s':>9} {'generate s (scaled)':>20} {'speed-up':>9} {'engine dec tok/s':>17} {'sweep dec tok/s':>16}")
     for name in CACHES:
         r = result[name]
         print(f"{name:6} {r['engine_wall_s']:9.1f} {r['generate_wall_scaled_s']:20.1f} {result[f'speedup_{name}']:9.1f} "
               f"{r['engine_decode_tokens_per_s']:17.0f} {r['sweep_decode_tokens_per_s']:16.0f}")
+
+
+def _print_check(rows: list[dict]) -> None:
     for name in ("fp16", "kivi-2", "kivi-2-r32"):
         mine = [r for r in rows if r["cache"] == name]
         if mine:

@@ -71,7 +71,8 @@ class Engine:
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def _prompt_ids(self, requests: list[Request]) -> list[list[int]]:
+    def prompt_ids(self, requests: list[Request]) -> list[list[int]]:
+        """Token ids of the requests as the engine feeds them (chat template applied where asked)."""
         texts = [render_prompt(self.tokenizer, r.prompt, r.chat) for r in requests]
         return [[t % self.vocab for t in ids] for ids in self.tokenizer(texts, add_special_tokens=False).input_ids]
 
@@ -85,7 +86,7 @@ class Engine:
                 logger.info("%s: generating with transformers.generate, not the decode engine: %s", name, reason)
                 self.logged.add(name)
             return self.generate_with_transformers(requests, kivi, batch_size)
-        prompts = self._prompt_ids(requests)
+        prompts = self.prompt_ids(requests)
         sequences = [Sequence(ids, r.max_new_tokens, frozenset() if r.meta.get("ignore_eos") else self.end_ids,
                               tuple(r.meta.get("stop", ()))) for r, ids in zip(requests, prompts)]
         self.last_run = self.decoder.generate(sequences, kivi, slots=batch_size)
@@ -141,7 +142,7 @@ class Engine:
         batch = requests[:batch_size]
         gen_len = max(r.max_new_tokens for r in batch)
         gen_len = min(gen_len, max_new_tokens) if max_new_tokens else gen_len
-        prompts = self._prompt_ids(batch)
+        prompts = self.prompt_ids(batch)
         if self.decoder is None:
             raise ValueError(f"the throughput sweep runs on the decode engine: {unsupported(self.model)}")
         if repr(kivi) not in self.warmed:  # Triton builds this cache's kernels here, not in a timed prefill
