@@ -82,7 +82,8 @@ PERF = TableSpec(
     name="perf",
     schema=pa.schema([
         ("run_id", pa.string()), ("model", pa.string()), ("cache", pa.string()), ("workload", pa.string()),
-        ("batch_size", pa.int32()), ("prompt_len", pa.int32()), ("gen_len", pa.int32()),
+        ("batch_size", pa.int32()), ("repeat", pa.int32()),  # repeat: which timing of the point (sweep.repeats)
+        ("prompt_len", pa.int32()), ("gen_len", pa.int32()),
         ("tokens_per_s", pa.float64()),  # generated tokens / (prefill + decode time)
         ("decode_tokens_per_s", pa.float64()), ("step_ms", pa.float64()), ("prefill_s", pa.float64()),
         ("peak_mem_bytes", pa.int64()), ("kv_bytes", pa.int64()),
@@ -116,9 +117,13 @@ VERDICTS = TableSpec(
     schema=pa.schema([
         ("run_id", pa.string()),
         ("rules", pa.string()), ("rules_path", pa.string()),  # the rules file's name (without .yaml) and path as given
-        ("rule", pa.string()), ("kind", pa.string()), ("cache", pa.string()),
-        ("baseline_run_id", pa.string()), ("observed", pa.float64()), ("threshold", pa.float64()),
+        ("rule", pa.string()), ("kind", pa.string()),
+        ("workload", pa.string()),  # the rule's workload; null for rules over every workload (baseline rules)
+        ("cache", pa.string()), ("baseline_run_id", pa.string()), ("observed", pa.float64()), ("threshold", pa.float64()),
         ("passed", pa.bool_()), ("detail", pa.string()),
+        # Interval rules: paired requests, the interval of `observed` at the rule's confidence, p, detectable effect.
+        ("n", pa.int64()), ("ci_low", pa.float64()), ("ci_high", pa.float64()), ("p_value", pa.float64()),
+        ("mde", pa.float64()),
     ]),
     partitions=("run_id",),
     required=("run_id", "rules", "rule", "kind", "passed"),

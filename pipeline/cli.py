@@ -5,9 +5,10 @@
     kivi-eval report RUN_ID
     kivi-eval query "SELECT * FROM kivi_deltas"
     kivi-eval runs [--last 10]                    # the archive's runs, newest first
+    kivi-eval history --model smollm2-135m --workload gsm8k [--cache C] [--last 10] [--kind nightly]
     kivi-eval model-folder smollm2-135m           # a packaged model as a transformers folder (e.g. for lm-eval)
 
-Each command imports what it needs when it runs: the archive commands (gate, report, query, runs) start
+Each command imports what it needs when it runs: the archive commands (gate, report, query, runs, history) start
 without torch, transformers or Ray.
 """
 
@@ -102,6 +103,16 @@ def runs(archive: str, last: int | None = None) -> None:
         print(format_table(*store.query(f"SELECT * FROM run_summary {NEWEST_FIRST} LIMIT $1", [last])))
 
 
+def history(model: str, workload: str, archive: str, cache: str | None = None, last: int | None = None,
+            kind: str | None = None) -> None:
+    from pipeline.history import COLUMNS, delta_history
+    from pipeline.store import format_table
+
+    with _archive(archive) as store:
+        rows = delta_history(store, model, workload, cache, last, kind)
+    print(format_table(COLUMNS, [[r[c] for c in COLUMNS] for r in rows]))
+
+
 @contextmanager
 def _archive(root: str, run_id: str | None = None) -> Iterator[Store]:
     """The store over ``root``, which must hold runs, and ``run_id`` among them when one is given."""
@@ -146,6 +157,14 @@ def main(argv=None) -> int:
     p = sub.add_parser("runs", help="the archive's runs, newest first: kind, model, status, times, row counts")
     p.add_argument("--archive", default=DEFAULT_ARCHIVE)
     p.add_argument("--last", type=_positive, help="only the newest N runs")
+    p = sub.add_parser("history", help="a model's KIVI − fp16 deltas on one workload across runs, oldest first, "
+                                       "with the 95%% interval and whether each run's gate passed")
+    p.add_argument("--model", required=True)
+    p.add_argument("--workload", required=True)
+    p.add_argument("--cache", help="one KIVI cache (default: every one)")
+    p.add_argument("--last", type=_positive, help="only the newest N runs")
+    p.add_argument("--kind", help="only runs of this kind (nightly, canary, smoke)")
+    p.add_argument("--archive", default=DEFAULT_ARCHIVE)
     p = sub.add_parser("model-folder", help="print a packaged model's transformers folder (converted on first use)")
     p.add_argument("name")
     p.add_argument("--from-gguf", type=Path, help="convert from this copy of the packaged GGUF (sha256 checked), "
@@ -160,6 +179,8 @@ def main(argv=None) -> int:
             report(args.run_id, args.archive, args.out)
         elif args.command == "runs":
             runs(args.archive, args.last)
+        elif args.command == "history":
+            history(args.model, args.workload, args.archive, args.cache, args.last, args.kind)
         elif args.command == "model-folder":
             from pipeline.models import converted_folder
 

@@ -19,7 +19,7 @@ from kivi.config import did_you_mean
 from kivi.static_cache import static_unsupported
 from pipeline.archive import FP16
 from pipeline.errors import InputError, read_yaml, validation_problem
-from pipeline.gate import GateConfig, GateConfigError, load_gate
+from pipeline.gate import GateConfig, GateConfigError, load_gate, rule_problems
 from pipeline.models import RANDOM_PREFIX, ModelSpecError, check_model_spec
 from pipeline.workloads import DataSourceError, UnknownWorkloadError, Workload, WorkloadOptionError, get_workload
 
@@ -58,6 +58,7 @@ class SweepSection(_Section):
     start: PositiveInt = 1
     max_batch: PositiveInt = 256
     max_new_tokens: PositiveInt | None = Field(None, description="cap on generated tokens per sequence")
+    repeats: PositiveInt = Field(1, description="timings per point: with 2 or more the throughput ratio gets an interval")
 
 
 class RunConfig(_Section):
@@ -156,13 +157,13 @@ def _check(config: RunConfig, path: Path) -> None:
                                            "(or KIVI_DATA_DIR) at the local data copies, e.g. ../shared/data"))
     if not config.workloads:
         fail("workloads", ValueError("name at least one workload"))
-    sweeps = []
+    sweeps, workloads = [], {}
     for name, options in config.workloads.items():
         if "data_dir" in options:
             fail(f"workloads.{name}.data_dir", ValueError("data_dir is the config's top-level field (or KIVI_DATA_DIR), "
                                                           "shared by every workload"))
         try:
-            workload = get_workload(name, data_dir=config.data_dir, **options)
+            workloads[name] = workload = get_workload(name, data_dir=config.data_dir, **options)
             workload.check_data()
         except (UnknownWorkloadError, WorkloadOptionError, DataSourceError) as err:
             fail(f"workloads.{name}", err)
@@ -175,8 +176,11 @@ def _check(config: RunConfig, path: Path) -> None:
         if not config.gate.is_file():
             fail("gate", FileNotFoundError(f"no gate rules file {config.gate}"))
         try:
-            config.gate_rules()
+            rules = config.gate_rules()
         except GateConfigError as err:
             fail("gate", err)
+        # A rule on something the run does not produce would fail closed at the end of a night's run.
+        if problems := rule_problems(rules, workloads, [c for c in config.kivi_configs() if c != FP16]):
+            fail(f"gate ({config.gate})", ValueError("; ".join(problems)))
     if config.kind == "canary" and not config.baseline_run_id:
         fail("baseline_run_id", ValueError("a canary needs the baseline run to compare with"))

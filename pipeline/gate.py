@@ -1,6 +1,10 @@
 """Regression gate: rules from YAML, evaluated over the store into verdicts and an exit code.
 
-Every rule yields one verdict per cache it covers. A metric the rule needs but the archive lacks (a
+Every rule yields one verdict per cache it covers. Rules on a score delta or a KL say which test they make
+on its paired confidence interval (pipeline.stats): `regression` fails when the data show the harm (a drop,
+a KL) beyond the limit, the whole interval past it; `non_inferiority` passes only when the data show it
+within the limit, the whole interval inside it. Each such verdict carries n, the interval, the p-value and
+the minimum detectable effect at that n, and says when n is too small for the limit. A metric the rule needs but the archive lacks (a
 workload not run, a cache without rows, a partial run, no baseline) gives a failing verdict whose detail
 starts with "missing" or "incomplete": the gate fails closed. Drops are in points (see pipeline.store).
 """
@@ -9,20 +13,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kivi.config import did_you_mean
 from pipeline.archive import FP16, ArchiveWriter
 from pipeline.errors import InputError, read_yaml
+from pipeline.stats import TASK_AVERAGED_WORKLOADS, VIEW_CONFIDENCE, PairedDelta, paired_delta
 
 if TYPE_CHECKING:  # DuckDB is the driver's: Ray actors import the config (and these rules) without it
     from pipeline.store import Store
+    from pipeline.workloads import Workload
 
-# Scores are averages of floats: 0.70 - 0.68 is 2.0000000000000018 points, which must pass "points: 2".
+# Scores are averages of floats: 0.70 - 0.68 is 2.0000000000000018 points, which must pass "margin: 2".
 _EPS = 1e-9
 _SHOWN = 5  # failing cells or metrics listed in a detail before "…"
 
@@ -41,6 +48,13 @@ class Verdict:
     passed: bool
     detail: str
     baseline_run_id: str | None = None
+    # The statistics behind an interval test (None for rules that count cells or compare outputs).
+    n: int | None = None
+    ci_low: float | None = None  # of `observed`, in its unit, at the rule's confidence
+    ci_high: float | None = None
+    p_value: float | None = None
+    mde: float | None = None
+    workload: str | None = None  # the rule's, so the archive can place the verdict without its rules file
 
 
 @dataclass(frozen=True)
@@ -71,10 +85,32 @@ class GateRule(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = Field(min_length=1, description="unique name, shown in verdicts")
     kind: str  # narrowed to a Literal by each rule class: the discriminator
+    # The workload kinds (pipeline.workloads.base.Workload.kind) whose results the rule reads.
+    reads: ClassVar[tuple[str, ...]] = ("accuracy", "teacher_forced")
+
+    def problems(self, workloads: Mapping[str, Workload], caches: Sequence[str]) -> list[str]:
+        """What this rule names that the config does not run, each with the fix; empty when it can be checked."""
+        out = []
+        workload_name, task, cache = (getattr(self, f, None) for f in ("workload", "task", "cache"))
+        workload = workloads.get(workload_name) if workload_name else None
+        if workload_name and workload is None:
+            out.append(f"workload {workload_name!r} is not in the config's workloads ({', '.join(workloads)})"
+                       f"{did_you_mean(workload_name, workloads)}: add it there or drop the rule")
+        elif workload is not None and workload.kind not in self.reads:
+            out.append(f"workload {workload_name!r} is of kind {workload.kind!r}; {self.kind} reads "
+                       f"{' or '.join(map(repr, self.reads))} workloads")
+        if task and workload is not None and task not in workload.tasks():
+            out.append(f"task {task!r} is not run by workload {workload_name!r} (tasks: {', '.join(workload.tasks())})"
+                       f"{did_you_mean(task, workload.tasks())}")
+        if cache and cache not in caches:
+            out.append(f"cache {cache!r} is not run by the config (caches: {', '.join(caches)}){did_you_mean(cache, caches)}: "
+                       "name the archive name of one of the config's caches, or add its preset to caches")
+        return [f"rule {self.name!r}: {problem}" for problem in out]
 
     def _verdict(self, cache: str | None, observed: float | None, threshold: float | None, passed: bool, detail: str,
-                 baseline_run_id: str | None = None) -> Verdict:
-        return Verdict(self.name, self.kind, cache, observed, threshold, passed, detail, baseline_run_id)
+                 baseline_run_id: str | None = None, **stats: Any) -> Verdict:
+        return Verdict(self.name, self.kind, cache, observed, threshold, passed, detail, baseline_run_id, **stats,
+                       workload=getattr(self, "workload", None))
 
     def _no_kivi_cache(self, ctx: _Context, threshold: float) -> Verdict:
         return self._verdict(None, None, threshold, False, f"missing: run {ctx.run_id} has no KIVI cache")
@@ -87,38 +123,111 @@ class GateRule(BaseModel):
         raise NotImplementedError
 
 
+class IntervalRule(GateRule):
+    """A limit on a harm (a drop in points, a KL) judged on its paired confidence interval."""
+
+    test: Literal["regression", "non_inferiority"] = Field(
+        "regression", description="regression: fail when the data show the harm past the limit; "
+                                  "non_inferiority: pass only when the data show it within the limit")
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="of the two-sided interval")
+
+    def _judge(self, cache: str, what: str, harm: float, low: float | None, high: float | None, stat: PairedDelta,
+               limit: float, unit: str) -> Verdict:
+        """``harm`` and its interval [low, high], larger is worse; ``stat`` gives n, p and the detectable effect."""
+        digits = _DIGITS[unit]
+        interval = ("(no interval: one cluster)" if low is None
+                    else f"[{self.confidence:.0%} CI {low:.{digits}f}, {high:.{digits}f}]")
+        p = f", {stat.test} p={stat.p_value:.2g}" if stat.p_value is not None else ""
+        detail = f"{what}: {harm:.{digits}f} {unit} {interval}{p}, n={stat.n}"
+        passed = within_limit(self.test, harm, low, high, limit)
+        if self.test == "regression":
+            detail += "; " + ("not shown above" if passed else "shown above") + f" {limit:g} {unit}"
+        else:
+            detail += "; " + ("shown below" if passed else "not shown below") + f" {limit:g} {unit}"
+        if stat.mde is None or stat.mde > limit:
+            shown = "an unknown" if stat.mde is None else f"{stat.mde:.{digits}f}"
+            detail += (f"; n too small for a {limit:g}-{unit} limit: at n={stat.n} the smallest effect found with "
+                       f"80% power is {shown} {unit}")
+        return self._verdict(cache, harm, limit, passed, detail, n=stat.n, ci_low=low, ci_high=high,
+                             p_value=stat.p_value, mde=stat.mde)
+
+
+_DIGITS = {"points": 2, "nats": 4}
+
+
+def within_limit(test: str, harm: float, low: float | None, high: float | None, limit: float) -> bool:
+    """Whether a harm (larger is worse) with interval [low, high] passes ``limit`` under ``test``. Without an
+    interval the point estimate decides a regression test, and non-inferiority cannot be shown."""
+    if test == "regression":
+        return (harm if low is None else low) <= limit + _EPS
+    return high is not None and high < limit - _EPS
+
+
 @_register
-class MaxDrop(GateRule):
-    """KIVI may score at most `points` below fp16 of the same run (workload average, or one task)."""
+class MaxDrop(IntervalRule):
+    """KIVI may score at most `margin` points below fp16 of the same run (workload score, or one task)."""
 
     kind: Literal["max_drop"]
     workload: str
     task: str | None = Field(None, description="one task instead of the workload score")
     cache: str | None = Field(None, description="omitted: every KIVI cache of the run")
-    points: float = Field(ge=0)
+    margin: float = Field(ge=0, description="points (100 × score)")
 
     def check(self, ctx: _Context) -> list[Verdict]:
         what = f"{self.workload}/{self.task}" if self.task else self.workload
         view, where, params = "kivi_deltas", "", [ctx.run_id, self.workload]
         if self.task:
             view, where, params = "kivi_task_deltas", "AND task = $3", [*params, self.task]
-        sql = f"SELECT * FROM {view} WHERE run_id = $1 AND workload = $2 {where}"
-        rows = {r["cache"]: r for r in ctx.store.records(sql, params)}
+        counts = {r["cache"]: r for r in ctx.store.records(f"SELECT * FROM {view} WHERE run_id = $1 AND workload = $2 {where}", params)}
+        pairs = ctx.store.records(
+            f"SELECT cache, fp16_score, kivi_score, {'task_cluster' if self.task else 'cluster'} AS cluster "
+            f"FROM kivi_pairs WHERE run_id = $1 AND workload = $2 {where}", params)
         verdicts = []
         for cache in [self.cache] if self.cache else ctx.kivi_caches():
-            row = rows.get(cache)
+            row = counts.get(cache)
             if row is None:
-                verdicts.append(self._verdict(cache, None, self.points, False, f"missing {what} scores for {cache} or fp16"))
+                verdicts.append(self._verdict(cache, None, self.margin, False, f"missing {what} scores for {cache} or fp16"))
                 continue
-            drop = 0.0 - row["delta_points"]  # not -x: a zero delta must not print as -0.00
             if row["n_pairs"] < max(row["n_fp16"], row["n_cache"]):
                 detail = f"incomplete {what}: {row['n_pairs']} paired requests of {row['n_fp16']} fp16 / {row['n_cache']} {cache}"
-                verdicts.append(self._verdict(cache, drop, self.points, False, detail))
+                verdicts.append(self._verdict(cache, 0.0 - row["delta_points"], self.margin, False, detail))
                 continue
-            detail = (f"{what}: fp16 {100 * row['fp16_score']:.2f} vs {100 * row['kivi_score']:.2f} "
-                      f"({row['delta_points']:+.2f} points, n={row['n_pairs']})")
-            verdicts.append(self._verdict(cache, drop, self.points, drop <= self.points + _EPS, detail))
-        return verdicts or [self._no_kivi_cache(ctx, self.points)]
+            mine = [p for p in pairs if p["cache"] == cache]
+            stat = paired_delta([p["fp16_score"] for p in mine], [p["kivi_score"] for p in mine],
+                                [p["cluster"] for p in mine], mean_of_clusters=self.workload in TASK_AVERAGED_WORKLOADS
+                                and not self.task, confidence=self.confidence)
+            drop = 0.0 - stat.delta  # not -x: a zero delta must not print as -0.00
+            what_scores = f"{what} fp16 {100 * row['fp16_score']:.2f} vs {100 * row['kivi_score']:.2f}, drop"
+            verdicts.append(self._judge(cache, what_scores, drop, *_drop_interval(stat), stat, self.margin, "points"))
+        return verdicts or [self._no_kivi_cache(ctx, self.margin)]
+
+
+@_register
+class MaxKL(IntervalRule):
+    """A KIVI cache's mean teacher-forced KL to fp16 (the fidelity workload) is at most `max_kl` nats: the
+    cheapest early signal, seen long before a task score moves."""
+
+    kind: Literal["max_kl"]
+    reads: ClassVar[tuple[str, ...]] = ("teacher_forced",)
+    workload: str = "fidelity"
+    cache: str | None = Field(None, description="omitted: every KIVI cache of the run")
+    max_kl: float = Field(gt=0, description="nats per token")
+
+    def check(self, ctx: _Context) -> list[Verdict]:
+        rows = ctx.store.records(
+            "SELECT cache, CAST(meta ->> '$.mean_kl' AS DOUBLE) AS kl FROM results "
+            "WHERE run_id = $1 AND workload = $2 AND cache <> $3", [ctx.run_id, self.workload, FP16])
+        verdicts = []
+        for cache in [self.cache] if self.cache else ctx.kivi_caches():
+            kls = [r["kl"] for r in rows if r["cache"] == cache]
+            if not kls or None in kls:
+                verdicts.append(self._verdict(cache, None, self.max_kl, False, f"missing {self.workload} KL for {cache}"))
+                continue
+            # The KL is already a paired measure (against fp16 on the same text): its reference is zero.
+            stat = paired_delta([0.0] * len(kls), kls, confidence=self.confidence, scale=1.0)
+            verdicts.append(self._judge(cache, f"{self.workload} mean KL", stat.delta, stat.ci_low, stat.ci_high, stat,
+                                        self.max_kl, "nats"))
+        return verdicts or [self._no_kivi_cache(ctx, self.max_kl)]
 
 
 @_register
@@ -126,6 +235,7 @@ class CellsEqual(GateRule):
     """Every NIAH cell (task, context length, depth) scores as fp16 does, within `tolerance_points`."""
 
     kind: Literal["cells_equal"]
+    reads: ClassVar[tuple[str, ...]] = ("accuracy",)
     workload: str = "niah"
     cache: str | None = Field(None, description="omitted: every KIVI cache of the run")
     tolerance_points: float = Field(0.0, ge=0)
@@ -157,12 +267,17 @@ class CellsEqual(GateRule):
 
 @_register
 class MinThroughputRatio(GateRule):
-    """A KIVI cache's best tokens/s (any batch without OOM) is at least `ratio` × fp16's best."""
+    """A KIVI cache's best tokens/s (the batch, without OOM, of the highest mean over the sweep's repeats) is at
+    least `ratio` × fp16's best; with repeats, judged on the ratio's bootstrap interval by `test`."""
 
     kind: Literal["min_throughput_ratio"]
+    reads: ClassVar[tuple[str, ...]] = ("throughput",)
     workload: str = "sharegpt"
     cache: str | None = Field(None, description="omitted: every KIVI cache of the run")
     ratio: float = Field(gt=0)
+    test: Literal["regression", "non_inferiority"] = Field(
+        "regression", description="regression: fail when the interval lies below `ratio`; "
+                                  "non_inferiority: pass only when it lies at or above it")
 
     def check(self, ctx: _Context) -> list[Verdict]:
         rows = {r["cache"]: r for r in ctx.store.records(
@@ -175,38 +290,46 @@ class MinThroughputRatio(GateRule):
                 side = cache if fp16 and fp16["max_tokens_per_s"] is not None else "fp16"
                 verdicts.append(self._verdict(cache, None, self.ratio, False, f"missing {self.workload} throughput for {side}"))
                 continue
-            ratio = row["throughput_ratio"]
+            ratio, low, high = row["throughput_ratio"], row["ratio_ci_low"], row["ratio_ci_high"]
+            interval = (f"[{VIEW_CONFIDENCE:.0%} CI {low:.2f}, {high:.2f}] over {row['repeats']} timings" if low is not None
+                        else "(one timing per point: no interval)")
+            # A shortfall below the ratio is the harm: the interval tests of IntervalRule, mirrored.
+            passed = within_limit(self.test, -ratio, None if high is None else -high, None if low is None else -low, -self.ratio)
             detail = (f"{row['max_tokens_per_s']:.1f} tokens/s (batch ≤ {row['max_batch']}) vs fp16 "
-                      f"{fp16['max_tokens_per_s']:.1f} (batch ≤ {fp16['max_batch']}): {ratio:.2f}×")
-            verdicts.append(self._verdict(cache, ratio, self.ratio, ratio >= self.ratio - _EPS, detail))
+                      f"{fp16['max_tokens_per_s']:.1f} (batch ≤ {fp16['max_batch']}): {ratio:.2f}× {interval}; "
+                      f"{self.test}: {'passes' if passed else 'fails'} {self.ratio:g}×")
+            verdicts.append(self._verdict(cache, ratio, self.ratio, passed, detail, n=row["repeats"], ci_low=low, ci_high=high))
         return verdicts or [self._no_kivi_cache(ctx, self.ratio)]
 
 
 @_register
-class NoRegressionVsBaseline(GateRule):
-    """No workload or task score of any cache falls more than `tolerance_points` below the baseline run."""
+class NoRegressionVsBaseline(IntervalRule):
+    """No workload or task score of any cache falls more than `margin` points below the baseline run, each
+    judged by `test` on its interval over the requests both runs answered (paired by request id)."""
 
     kind: Literal["no_regression_vs_baseline"]
-    tolerance_points: float = Field(ge=0)
+    margin: float = Field(ge=0, description="points (100 × score)")
     workload: str | None = Field(None, description="omitted: every workload of the baseline")
     cache: str | None = Field(None, description="omitted: every cache of the baseline, fp16 included")
 
     def check(self, ctx: _Context) -> list[Verdict]:
         baseline = ctx.baseline_run_id or _manifest_baseline(ctx)
         if baseline is None:
-            return [self._no_baseline(ctx, self.tolerance_points)]
+            return [self._no_baseline(ctx, self.margin)]
         metrics = ctx.store.records("SELECT *, NULL AS task FROM baseline_deltas($1, $2)", [ctx.run_id, baseline])
         metrics += ctx.store.records("SELECT * FROM baseline_task_deltas($1, $2)", [ctx.run_id, baseline])
         metrics = [m for m in metrics if self.workload in (None, m["workload"]) and self.cache in (None, m["cache"])]
         if not metrics:
-            return [self._verdict(self.cache, None, self.tolerance_points, False,
+            return [self._verdict(self.cache, None, self.margin, False,
                                   f"missing: baseline run {baseline} has no scores to compare", baseline)]
+        pairs = ctx.store.records("SELECT * FROM baseline_pairs($1, $2)", [ctx.run_id, baseline])
         by_cache: dict[str, list[dict[str, Any]]] = {}
         for m in metrics:
             by_cache.setdefault(m["cache"], []).append(m)
-        return [self._compare(cache, ms, baseline) for cache, ms in sorted(by_cache.items())]
+        return [self._compare(cache, ms, [p for p in pairs if p["cache"] == cache], baseline)
+                for cache, ms in sorted(by_cache.items())]
 
-    def _compare(self, cache: str, metrics: list[dict[str, Any]], baseline: str) -> Verdict:
+    def _compare(self, cache: str, metrics: list[dict[str, Any]], pairs: list[dict[str, Any]], baseline: str) -> Verdict:
         scored = [m for m in metrics if m["candidate_score"] is not None]
         missing = [_label(m) for m in metrics if m["candidate_score"] is None]
         # A candidate mean over fewer requests than the baseline's could hide a regression in the rest.
@@ -214,21 +337,35 @@ class NoRegressionVsBaseline(GateRule):
                  if m["candidate_n"] < m["baseline_n"]]
         versions = [f"{_label(m)} v{m['candidate_version']}≠v{m['baseline_version']}" for m in scored
                     if m["candidate_version"] != m["baseline_version"]]
-        drops = sorted((0.0 - m["delta_points"], _label(m)) for m in scored)
-        worst = drops[-1][0] if drops else None
-        if missing:
-            detail, passed = f"missing in candidate: {', '.join(missing[:_SHOWN])}", False
-        elif short:
-            detail, passed = f"incomplete in candidate: {', '.join(short[:_SHOWN])}", False
-        elif versions:
-            detail, passed = f"workload versions differ: {', '.join(versions[:_SHOWN])}", False
-        else:
-            over = [f"{name} −{drop:.2f}" for drop, name in reversed(drops) if drop > self.tolerance_points + _EPS]
-            passed = not over
-            detail = f"worst {drops[-1][1]}: {-worst:+.2f} points over {len(drops)} metrics"
-            if over:
-                detail += f"; over tolerance: {', '.join(over[:_SHOWN])}"
-        return self._verdict(cache, worst, self.tolerance_points, passed, detail, baseline)
+        failed = [detail for detail in (f"missing in candidate: {', '.join(missing[:_SHOWN])}" if missing else None,
+                                        f"incomplete in candidate: {', '.join(short[:_SHOWN])}" if short else None,
+                                        f"workload versions differ: {', '.join(versions[:_SHOWN])}" if versions else None)
+                  if detail]
+        if failed:
+            return self._verdict(cache, None, self.margin, False, failed[0], baseline)
+        judged = sorted(((0.0 - stat.delta, _label(m), stat) for m in scored
+                         for stat in [self._stat(m, pairs)]), key=lambda t: t[0])
+        over = [(drop, name, stat) for drop, name, stat in judged
+                if not within_limit(self.test, drop, *_drop_interval(stat), self.margin)]
+        worst_drop, worst_name, worst = (over or judged)[-1]
+        verdict = self._judge(cache, f"worst of {len(judged)} metrics, {worst_name}: drop", worst_drop,
+                              *_drop_interval(worst), worst, self.margin, "points")
+        if over:
+            names = ", ".join(f"{name} −{drop:.2f}" for drop, name, _ in reversed(over[-_SHOWN:]))
+            verdict = dataclasses.replace(verdict, passed=False, detail=f"{verdict.detail}; failing: {names}")
+        return dataclasses.replace(verdict, baseline_run_id=baseline)
+
+    def _stat(self, metric: dict[str, Any], pairs: list[dict[str, Any]]) -> PairedDelta:
+        mine = [p for p in pairs if p["workload"] == metric["workload"] and metric["task"] in (None, p["task"])]
+        cluster = "task_cluster" if metric["task"] else "cluster"
+        return paired_delta([p["baseline_score"] for p in mine], [p["candidate_score"] for p in mine],
+                            [p[cluster] for p in mine], confidence=self.confidence,
+                            mean_of_clusters=metric["task"] is None and metric["workload"] in TASK_AVERAGED_WORKLOADS)
+
+
+def _drop_interval(stat: PairedDelta) -> tuple[float | None, float | None]:
+    """The interval of a drop (−delta)."""
+    return (None, None) if stat.ci_low is None else (0.0 - stat.ci_high, 0.0 - stat.ci_low)
 
 
 @_register
@@ -291,6 +428,11 @@ class GateConfig(BaseModel):
         if duplicates:
             raise ValueError(f"rule names must be unique; repeated: {duplicates}")
         return rules
+
+
+def rule_problems(rules: GateConfig, workloads: Mapping[str, Workload], caches: Sequence[str]) -> list[str]:
+    """Every rule's names the config does not run (``caches``: the archive names of its KIVI caches)."""
+    return [problem for rule in rules.rules for problem in rule.problems(workloads, caches)]
 
 
 def load_gate(path: str | os.PathLike[str]) -> GateConfig:

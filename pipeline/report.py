@@ -1,6 +1,7 @@
-"""Markdown report of one run with PNG plots: scores and deltas, NIAH heatmaps, throughput, verdicts.
+"""Markdown report of one run with PNG plots: scores and deltas, NIAH heatmaps, throughput, verdicts, history.
 
-Scores are shown in points (score × 100) and deltas as signed points, the units of pipeline.store.
+Scores are shown in points (score × 100) and deltas as signed points, the units of pipeline.store; every
+delta carries its paired 95% interval and p-value from the store's *_delta_stats views.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 from pipeline.archive import FP16
+from pipeline.history import delta_history, gated_metrics
 from pipeline.store import Store, format_table
 
 _GIB = 2**30
@@ -34,6 +37,7 @@ def write_report(store: Store, run_id: str, out_dir: str | os.PathLike[str]) -> 
         _niah(store, run_id, out),
         _throughput(store, run_id, out),
         _verdicts(store, run_id),
+        _history(store, run_id, out),
         _skipped(store, run_id),
         _config(store, run_id),
     ]
@@ -52,6 +56,14 @@ def _pts(score: float | None) -> float | None:
 
 def _signed(delta: float | None) -> str:
     return "–" if delta is None else f"{delta:+.2f}"
+
+
+def _interval(row: dict[str, Any]) -> str:
+    return "–" if row["ci_low"] is None else f"[{row['ci_low']:+.2f}, {row['ci_high']:+.2f}]"  # None: one cluster
+
+
+def _p(row: dict[str, Any]) -> str:
+    return "–" if row["p_value"] is None else f"{row['p_value']:.2g}"
 
 
 def _manifest(store: Store, run_id: str) -> dict[str, Any] | None:
@@ -82,51 +94,74 @@ def _actor(placement: dict[str, Any]) -> str:
     return f"{placement['host']} pid {placement['pid']} {placement['device']}{gpu}{uuid}: {placement['jobs']} jobs{ready}"
 
 
+_STATS = "s.ci_low, s.ci_high, s.p_value, s.test"
+
+
 def _scores(store: Store, run_id: str, out: Path) -> str:
-    rows = store.records("SELECT * FROM kivi_deltas WHERE run_id = $1 ORDER BY workload, cache", [run_id])
+    rows = store.records(
+        f"""SELECT d.*, {_STATS} FROM kivi_deltas d JOIN kivi_delta_stats s USING (run_id, workload, cache)
+            WHERE d.run_id = $1 ORDER BY d.workload, d.cache""", [run_id])
     if not rows:
         return ""
-    text = "## Scores: fp16 vs KIVI (points; Δ = KIVI − fp16)\n\n" + _table(
-        ["workload", "cache", "fp16", "KIVI", "Δ points", "n pairs", "n fp16", "n cache"],
+    text = ("## Scores: fp16 vs KIVI (points; Δ = KIVI − fp16, paired 95% interval and p-value)\n\n" + _table(
+        ["workload", "cache", "fp16", "KIVI", "Δ points", "95% CI", "p", "test", "n pairs", "n fp16", "n cache"],
         [(r["workload"], r["cache"], _pts(r["fp16_score"]), _pts(r["kivi_score"]), _signed(r["delta_points"]),
-          r["n_pairs"], r["n_fp16"], r["n_cache"]) for r in rows])
+          _interval(r), _p(r), r["test"], r["n_pairs"], r["n_fp16"], r["n_cache"]) for r in rows]))
     tasks = store.records(
-        """SELECT d.*, t.metric FROM kivi_task_deltas d
-           JOIN task_scores t ON t.run_id = d.run_id AND t.workload = d.workload AND t.task = d.task AND t.cache = d.cache
-           WHERE d.run_id = $1 ORDER BY d.workload, d.task, d.cache""", [run_id])
-    for workload in sorted({t["workload"] for t in tasks}):
-        mine = [t for t in tasks if t["workload"] == workload]
-        if len({t["task"] for t in mine}) > 1:  # single-task workloads are already the row above
-            text += f"\n\n### {workload} per task\n\n" + _table(
-                ["task", "metric", "cache", "fp16", "KIVI", "Δ points", "n"],
-                [(t["task"], t["metric"], t["cache"], _pts(t["fp16_score"]), _pts(t["kivi_score"]),
-                  _signed(t["delta_points"]), t["n_pairs"]) for t in mine])
-    _delta_bars(tasks, out / "deltas.png")
-    return text + "\n\n![Per-task Δ points, KIVI − fp16](deltas.png)"
+        f"""SELECT d.*, t.metric, {_STATS} FROM kivi_task_deltas d
+            JOIN task_scores t USING (run_id, workload, task, cache)
+            JOIN kivi_task_delta_stats s USING (run_id, workload, task, cache)
+            WHERE d.run_id = $1 ORDER BY d.workload, d.task, d.cache""", [run_id])
+    multi_task = sorted(w for w in {t["workload"] for t in tasks} if len({t["task"] for t in tasks if t["workload"] == w}) > 1)
+    for workload in multi_task:  # single-task workloads are already the row above
+        text += f"\n\n### {workload} per task\n\n" + _table(
+            ["task", "metric", "cache", "fp16", "KIVI", "Δ points", "95% CI", "p", "n"],
+            [(t["task"], t["metric"], t["cache"], _pts(t["fp16_score"]), _pts(t["kivi_score"]),
+              _signed(t["delta_points"]), _interval(t), _p(t), t["n_pairs"]) for t in tasks if t["workload"] == workload])
+    # A multi-task workload's own score (LongBench's average of task means) leads its tasks in the figure.
+    bars = [{**r, "label": f"{r['workload']} (all tasks)", "order": (r["workload"], "")} for r in rows
+            if r["workload"] in multi_task]
+    bars += [{**t, "label": t["task"] if t["task"] == t["workload"] else f"{t['workload']}/{t['task']}",
+              "order": (t["workload"], t["task"])} for t in tasks]
+    _delta_bars(bars, out / "deltas.png")
+    return text + "\n\n![Δ points per workload and task, KIVI − fp16, with 95% intervals](deltas.png)"
 
 
-def _delta_bars(tasks: list[dict[str, Any]], path: Path) -> None:
-    labels = sorted({(t["workload"], t["task"]) for t in tasks})
-    caches = sorted({t["cache"] for t in tasks})
-    delta = {(t["workload"], t["task"], t["cache"]): t["delta_points"] for t in tasks}
+def _delta_bars(bars: list[dict[str, Any]], path: Path) -> None:
+    """One group of bars per `label` (in `order`), one bar per cache: delta_points with [ci_low, ci_high]."""
+    labels = [label for _, label in sorted({(b["order"], b["label"]) for b in bars})]
+    caches = sorted({b["cache"] for b in bars})
+    by = {(b["label"], b["cache"]): b for b in bars}
     fig = Figure(figsize=(8, 1.2 + 0.3 * len(labels) * len(caches)), layout="constrained")
     ax = fig.add_subplot()
     height = 0.8 / len(caches)
     y = np.arange(len(labels))
     for i, cache in enumerate(caches):
-        values = [delta.get((w, t, cache), np.nan) for w, t in labels]
-        bars = ax.barh(y + i * height, values, height, label=cache)
-        # A zero delta draws no bar; the number says it was measured.
-        ax.bar_label(bars, ["" if np.isnan(v) else f"{v:+.2f}" for v in values], padding=2, fontsize="x-small")
-    # Bars stick to x = 0, so pad the limits by hand to leave room for the labels on both sides.
-    known = [v for v in delta.values() if v is not None]
-    low, high = min([0.0, *known]), max([0.0, *known])
-    pad = 0.2 * max(high - low, 1.0)
-    ax.set_xlim(low - pad, high + pad)
-    ax.set_yticks(y + height * (len(caches) - 1) / 2, [t if t == w else f"{w}/{t}" for w, t in labels])
+        mine = [by.get((label, cache)) for label in labels]
+        values = np.array([np.nan if b is None else b["delta_points"] for b in mine])
+        low = np.array([np.nan if b is None or b["ci_low"] is None else b["ci_low"] for b in mine])
+        high = np.array([np.nan if b is None or b["ci_high"] is None else b["ci_high"] for b in mine])
+        ax.barh(y + i * height, values, height, label=cache, xerr=[values - low, high - values],
+                error_kw=dict(ecolor="0.25", elinewidth=0.9, capsize=2.5))
+        for yi, b, v, lo, hi in zip(y + i * height, mine, values, low, high):
+            if b is None:
+                continue
+            # The number goes past the interval's end on the bar's side, so the error bar does not cross it;
+            # a zero delta draws no bar, and the number says it was measured.
+            right = v >= 0
+            end = np.nanmax([v, hi]) if right else np.nanmin([v, lo])
+            text = f"{v:+.2f}" + (f" (n={b['n_pairs']})" if b["ci_low"] is None else "")  # n says why no whiskers
+            ax.annotate(text, (end, yi), xytext=(3 if right else -3, 0), textcoords="offset points",
+                        ha="left" if right else "right", va="center", fontsize="x-small")
+    # Bars stick to x = 0, so pad the limits by hand to leave room for the numbers on both sides.
+    ends = [x for b in bars for x in (b["delta_points"], b["ci_low"], b["ci_high"]) if x is not None]
+    lowest, highest = min([0.0, *ends]), max([0.0, *ends])
+    pad = 0.3 * max(highest - lowest, 1.0)
+    ax.set_xlim(lowest - pad, highest + pad)
+    ax.set_yticks(y + height * (len(caches) - 1) / 2, labels)
     ax.axvline(0, color="black", linewidth=0.8)
     ax.invert_yaxis()
-    ax.set_xlabel("Δ points (KIVI − fp16)")
+    ax.set_xlabel("Δ points (KIVI − fp16); whiskers: paired 95% interval")
     ax.legend(fontsize="small")
     _save(fig, path)
 
@@ -220,6 +255,92 @@ def _verdicts(store: Store, run_id: str) -> str:
         passed = sum(r["passed"] for r in group)
         sections.append(f"## Gate {source}: {passed} of {len(group)} verdicts passed\n\n{table}")
     return "\n\n".join(sections)
+
+
+def _history(store: Store, run_id: str, out: Path) -> str:
+    """Each gated delta of the run (every delta when none is gated) over this and earlier runs of the same model
+    and kind: an interval that drifts down over nights shows before one night fails its rule."""
+    current = store.records("SELECT DISTINCT model, workload, cache FROM kivi_deltas WHERE run_id = $1 ORDER BY ALL", [run_id])
+    if not current:
+        return ""
+    model, kind = current[0]["model"], (_manifest(store, run_id) or {}).get("kind")
+    available = [(r["workload"], r["cache"]) for r in current]
+    gated = [m for m in available if m in {(w, c) for _, w, c in gated_metrics(store, [run_id])}]
+    metrics = gated or available
+    by_id, series = {}, {}
+    for workload in dict.fromkeys(w for w, _ in metrics):
+        rows = delta_history(store, model, workload, kind=kind)
+        # Up to this run: a report of an older run shows the trend as it stood then.
+        rows = rows[:max(i for i, r in enumerate(rows) if r["run_id"] == run_id) + 1]
+        by_id.update({r["run_id"]: r for r in rows})
+        series.update({(w, c): [r for r in rows if r["cache"] == c] for w, c in metrics if w == workload})
+    # Merged over workloads in delta_history's order: runs without a manifest row first, then by start.
+    runs = sorted(by_id.values(), key=lambda r: (r["started_at"] is not None, r["started_at"] or 0, r["run_id"]))
+    order = {r["run_id"]: i for i, r in enumerate(runs)}
+    title = f"## History: {model}, {f'{kind} runs' if kind else 'runs of every kind'}"
+    if len(runs) < 2:
+        return f"{title}\n\nNo earlier run of {model}{f' of kind {kind}' if kind else ''} in the archive: no history yet."
+    trends = {m: _trend([order[r["run_id"]] for r in rows], [r["delta_points"] for r in rows]) for m, rows in series.items()}
+    _history_plot(series, trends, runs, run_id, out / "history.png")
+    text = _table(["workload", "cache", "runs", "Δ this run", "95% CI", "trend (points/run)"],
+                  [(w, c, len(rows), _signed(rows[-1]["delta_points"]), _interval(rows[-1]), _slope(trends[(w, c)]))
+                   for (w, c), rows in series.items()])
+    what = "Each gated metric" if gated else "Every delta (the run was not gated)"
+    earlier = len(runs) - 1
+    return (f"{title}\n\n{what} of this run, beside the archive's {earlier} earlier run{'s' * (earlier > 1)}.\n\n{text}\n\n"
+            "![Δ points over runs with 95% intervals and a least-squares trend; ★ this run](history.png)")
+
+
+def _trend(x: list[int], y: list[float]) -> tuple[float, float] | None:
+    """Least-squares (slope in points per run, intercept); None below two runs. For the eye, not a test."""
+    if len(set(x)) < 2:
+        return None
+    slope, intercept = np.polyfit(x, y, 1)
+    return float(slope), float(intercept)
+
+
+def _slope(trend: tuple[float, float] | None) -> str:
+    return _signed(None if trend is None else trend[0])
+
+
+_GATE_COLOURS = {True: ("tab:green", "gate passed"), False: ("tab:red", "gate failed"), None: ("0.6", "not gated")}
+
+
+def _history_plot(series: dict[tuple[str, str], list[dict[str, Any]]],
+                  trends: dict[tuple[str, str], tuple[float, float] | None],
+                  runs: list[dict[str, Any]], run_id: str, path: Path) -> None:
+    order = {r["run_id"]: i for i, r in enumerate(runs)}
+    fig = Figure(figsize=(min(14.0, 5 + 0.4 * len(runs)), 0.9 + 2.2 * len(series)), layout="constrained")
+    axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, ((workload, cache), rows) in zip(axes, series.items()):
+        x = np.array([order[r["run_id"]] for r in rows])
+        delta = np.array([r["delta_points"] for r in rows])
+        low = np.array([np.nan if r["ci_low"] is None else r["ci_low"] for r in rows])
+        high = np.array([np.nan if r["ci_high"] is None else r["ci_high"] for r in rows])
+        ax.errorbar(x, delta, yerr=[delta - low, high - delta], fmt="none", ecolor="0.35", elinewidth=1, capsize=3)
+        ax.scatter(x, delta, c=[_GATE_COLOURS[r["gate_passed"]][0] for r in rows], s=30, zorder=3)
+        trend = trends[(workload, cache)]
+        if trend is not None:
+            ax.plot(x[[0, -1]], trend[1] + trend[0] * x[[0, -1]], "--", color="tab:blue", linewidth=1)
+        ax.plot(x[-1], delta[-1], "*", markersize=15, markerfacecolor="none", markeredgecolor="black", zorder=4)
+        ax.axhline(0, color="black", linewidth=0.8)
+        low_y, high_y = ax.get_ylim()  # at least ±1 point: a flat series must not read as ±0.04 of precision
+        ax.set_ylim(min(low_y, -1.0), max(high_y, 1.0))
+        ax.axvline(order[run_id], color="0.85", linewidth=6, zorder=0)
+        ax.set_title(f"{workload} · {cache}: trend {_slope(trend)} points/run", fontsize="small")
+        ax.set_ylabel("Δ points")
+        ax.grid(axis="y", alpha=0.3)
+    # Dates, thinned to about twelve labels, and always the current run's; runs without a manifest show their id.
+    step = -(-len(runs) // 12)
+    ticks = sorted({*range(0, len(runs), step), order[run_id]})
+    axes[-1].set_xticks(ticks, [f"{runs[i]['started_at']:%Y-%m-%d %H:%M}" if runs[i]["started_at"] else runs[i]["run_id"]
+                                for i in ticks], rotation=30, ha="right", fontsize="x-small")
+    axes[-1].set_xlabel("run start (oldest left)")
+    handles = [Line2D([], [], marker="o", linestyle="", color=colour, label=label) for colour, label in _GATE_COLOURS.values()]
+    handles += [Line2D([], [], marker="*", linestyle="", markersize=12, markerfacecolor="none", markeredgecolor="black",
+                       label="this run"), Line2D([], [], linestyle="--", color="tab:blue", label="trend")]
+    fig.legend(handles=handles, loc="outside upper center", ncols=len(handles), fontsize="small", frameon=False)
+    _save(fig, path)
 
 
 def _skipped(store: Store, run_id: str) -> str:

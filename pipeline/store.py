@@ -17,6 +17,14 @@ look better for it. Views:
   fp16 is 1.0 for a float32 model too).
 - baseline_deltas(candidate_run, baseline_run), baseline_task_deltas(...): table macros comparing two
   runs per workload (task) and cache; a baseline metric that the candidate lacks has candidate_score null.
+- kivi_pairs: every KIVI answer beside fp16's answer to the same request, with its bootstrap cluster (a
+  LongBench task, a NIAH length × depth cell, else the request itself; `task_cluster` within one task).
+- kivi_delta_stats, kivi_task_delta_stats, baseline_delta_stats(candidate_run, baseline_run),
+  baseline_task_delta_stats(...): the same deltas with their paired statistics at 95% (pipeline.stats):
+  n_pairs, clusters, delta_points, ci_low, ci_high, p_value, test, mde_points. Baseline pairs match by
+  request id within the same workload version.
+- paired_delta_stats(reference_scores, candidate_scores, clusters, mean_of_clusters, confidence): the scalar
+  function behind those views, for any pairing a query builds (lists from `list(...)` in a GROUP BY).
 """
 
 from __future__ import annotations
@@ -29,15 +37,29 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+from duckdb.sqltypes import BIGINT, BOOLEAN, DOUBLE, VARCHAR
 
 from kivi.config import did_you_mean
 from pipeline.archive import FP16, TABLES, TableSpec
 from pipeline.errors import InputError
+from pipeline.stats import TASK_AVERAGED_WORKLOADS, VIEW_CONFIDENCE, paired_delta, ratio_interval
 
-# Workloads whose headline score is the mean of per-task means (LongBench's official average).
-TASK_AVERAGED_WORKLOADS = ("longbench",)
 
 _AVERAGED = ", ".join(f"'{w}'" for w in TASK_AVERAGED_WORKLOADS)
+
+# Bootstrap clusters: requests that share a LongBench task or a NIAH cell are not independent draws.
+def _task_cluster(t: str) -> str:
+    """The cluster of a row of results ``t`` within its task: its NIAH cell, else the request itself."""
+    return f"coalesce(({t}.meta ->> '$.context_length') || '/' || ({t}.meta ->> '$.depth'), {t}.task || '/' || {t}.request_id)"
+
+
+def _cluster(t: str) -> str:
+    """The cluster of a row of results ``t`` within its workload: a LongBench task, else as within the task."""
+    return f"CASE WHEN {t}.workload IN ({_AVERAGED}) THEN {t}.task ELSE {_task_cluster(t)} END"
+
+
+_STATS = "s.n_pairs, s.clusters, s.delta_points, s.ci_low, s.ci_high, s.p_value, s.test, s.mde_points"
+_STATS_OF = "paired_delta_stats(list({ref}), list({cand}), list({cluster}), {averaged}, " + str(VIEW_CONFIDENCE) + ")"
 
 _VIEWS = {
     "run_summary": """
@@ -85,6 +107,24 @@ _VIEWS = {
             FROM kivi_task_deltas GROUP BY run_id, model, workload, workload_version, cache) d
         JOIN workload_scores f ON f.run_id = d.run_id AND f.workload = d.workload AND f.cache = '{FP16}'
         JOIN workload_scores k ON k.run_id = d.run_id AND k.workload = d.workload AND k.cache = d.cache""",
+    "kivi_pairs": f"""
+        SELECT k.run_id, k.model, k.workload, k.workload_version, k.task, k.cache, k.request_id,
+               coalesce(f.score, 0) AS fp16_score, coalesce(k.score, 0) AS kivi_score,
+               {_cluster("k")} AS cluster, {_task_cluster("k")} AS task_cluster
+        FROM results k JOIN results f
+          ON f.run_id = k.run_id AND f.workload = k.workload AND f.task = k.task AND f.request_id = k.request_id
+        WHERE f.cache = '{FP16}' AND k.cache <> '{FP16}'""",
+    "kivi_delta_stats": f"""
+        SELECT run_id, model, workload, workload_version, cache, {_STATS}
+        FROM (SELECT run_id, model, workload, workload_version, cache,
+                     {_STATS_OF.format(ref="fp16_score", cand="kivi_score", cluster="cluster",
+                                       averaged=f"workload IN ({_AVERAGED})")} AS s
+              FROM kivi_pairs GROUP BY run_id, model, workload, workload_version, cache)""",
+    "kivi_task_delta_stats": f"""
+        SELECT run_id, model, workload, workload_version, task, cache, {_STATS}
+        FROM (SELECT run_id, model, workload, workload_version, task, cache,
+                     {_STATS_OF.format(ref="fp16_score", cand="kivi_score", cluster="task_cluster", averaged="false")} AS s
+              FROM kivi_pairs GROUP BY run_id, model, workload, workload_version, task, cache)""",
     "niah_cells": """
         SELECT run_id, model, workload, task, cache,
                CAST(meta ->> '$.context_length' AS BIGINT) AS context_length,
@@ -93,18 +133,28 @@ _VIEWS = {
         FROM results
         WHERE meta ->> '$.context_length' IS NOT NULL AND meta ->> '$.depth' IS NOT NULL
         GROUP BY ALL""",
+    # A sweep point may be timed several times (sweep.repeats): its tokens/s is their mean, the best batch is
+    # the one with the highest mean, and the ratio's interval resamples both sides' timings at that batch.
     "throughput": f"""
-        WITH c AS (
+        WITH b AS (
+            SELECT run_id, model, workload, cache, batch_size, any_value(device) AS device, bool_or(oom) AS oom,
+                   avg(tokens_per_s) AS tokens_per_s, list(tokens_per_s) AS timings,
+                   max(peak_mem_bytes) AS peak_mem_bytes, sum(fp16_kv_bytes) AS fp16_kv_bytes, sum(kv_bytes) AS kv_bytes
+            FROM perf GROUP BY run_id, model, workload, cache, batch_size),
+        c AS (
             SELECT run_id, model, workload, cache, any_value(device) AS device,
                    max(batch_size) FILTER (WHERE NOT oom) AS max_batch,
                    min(batch_size) FILTER (WHERE oom) AS first_oom_batch,
                    max(tokens_per_s) FILTER (WHERE NOT oom) AS max_tokens_per_s,
+                   arg_max(timings, tokens_per_s) FILTER (WHERE NOT oom) AS best_timings,
                    max(peak_mem_bytes) FILTER (WHERE NOT oom) AS max_peak_mem_bytes,
                    sum(fp16_kv_bytes) FILTER (WHERE NOT oom) / sum(kv_bytes) FILTER (WHERE NOT oom) AS kv_compression
-            FROM perf GROUP BY ALL)
-        SELECT c.*, c.max_tokens_per_s / f.max_tokens_per_s AS throughput_ratio,
-               c.max_batch / f.max_batch AS batch_ratio
-        FROM c LEFT JOIN c AS f ON f.run_id = c.run_id AND f.workload = c.workload AND f.cache = '{FP16}'""",
+            FROM b GROUP BY run_id, model, workload, cache)
+        SELECT * EXCLUDE (r), r.ci_low AS ratio_ci_low, r.ci_high AS ratio_ci_high, r.repeats
+        FROM (SELECT c.* EXCLUDE (best_timings), c.max_tokens_per_s / f.max_tokens_per_s AS throughput_ratio,
+                     c.max_batch / f.max_batch AS batch_ratio,
+                     ratio_interval_stats(f.best_timings, c.best_timings, {VIEW_CONFIDENCE}) AS r
+              FROM c LEFT JOIN c AS f ON f.run_id = c.run_id AND f.workload = c.workload AND f.cache = '{FP16}')""",
 }
 
 # Driven from the baseline side so that a metric the candidate lost shows up (candidate_score null).
@@ -125,6 +175,29 @@ _MACROS = [
         FROM task_scores b LEFT JOIN task_scores c
           ON c.run_id = candidate_run AND c.workload = b.workload AND c.task = b.task AND c.cache = b.cache
         WHERE b.run_id = baseline_run""",
+    f"""CREATE MACRO baseline_pairs(candidate_run, baseline_run) AS TABLE
+        SELECT candidate_run AS candidate_run_id, baseline_run AS baseline_run_id, b.workload, b.workload_version,
+               b.task, b.cache, b.request_id, coalesce(b.score, 0) AS baseline_score,
+               coalesce(c.score, 0) AS candidate_score,
+               {_cluster("b")} AS cluster, {_task_cluster("b")} AS task_cluster
+        FROM results b JOIN results c
+          ON c.run_id = candidate_run AND c.workload = b.workload AND c.workload_version = b.workload_version
+             AND c.task = b.task AND c.request_id = b.request_id AND c.cache = b.cache
+        WHERE b.run_id = baseline_run""",
+    f"""CREATE MACRO baseline_delta_stats(candidate_run, baseline_run) AS TABLE
+        SELECT candidate_run_id, baseline_run_id, workload, workload_version, cache, {_STATS}
+        FROM (SELECT candidate_run_id, baseline_run_id, workload, workload_version, cache,
+                     {_STATS_OF.format(ref="baseline_score", cand="candidate_score", cluster="cluster",
+                                       averaged=f"workload IN ({_AVERAGED})")} AS s
+              FROM baseline_pairs(candidate_run, baseline_run)
+              GROUP BY candidate_run_id, baseline_run_id, workload, workload_version, cache)""",
+    f"""CREATE MACRO baseline_task_delta_stats(candidate_run, baseline_run) AS TABLE
+        SELECT candidate_run_id, baseline_run_id, workload, workload_version, task, cache, {_STATS}
+        FROM (SELECT candidate_run_id, baseline_run_id, workload, workload_version, task, cache,
+                     {_STATS_OF.format(ref="baseline_score", cand="candidate_score", cluster="task_cluster",
+                                       averaged="false")} AS s
+              FROM baseline_pairs(candidate_run, baseline_run)
+              GROUP BY candidate_run_id, baseline_run_id, workload, workload_version, task, cache)""",
 ]
 
 
@@ -151,6 +224,12 @@ class Store:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self._con = duckdb.connect(":memory:")
+        self._con.create_function("paired_delta_stats", _paired_delta_stats,
+                                  [duckdb.list_type(DOUBLE), duckdb.list_type(DOUBLE), duckdb.list_type(VARCHAR), BOOLEAN,
+                                   DOUBLE], _PAIRED_DELTA_STATS, side_effects=False)
+        self._con.create_function("ratio_interval_stats", _ratio_interval_stats,
+                                  [duckdb.list_type(DOUBLE), duckdb.list_type(DOUBLE), DOUBLE], _RATIO_INTERVAL_STATS,
+                                  null_handling="special", side_effects=False)
         for spec in TABLES.values():
             self._con.execute(f"CREATE VIEW {spec.name} AS SELECT {', '.join(spec.schema.names)} FROM {self._source(spec)}")
         for name, sql in _VIEWS.items():
@@ -222,6 +301,29 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_PAIRED_DELTA_STATS = duckdb.struct_type(dict(
+    n_pairs=BIGINT, clusters=BIGINT, delta_points=DOUBLE, ci_low=DOUBLE, ci_high=DOUBLE, p_value=DOUBLE, test=VARCHAR,
+    mde_points=DOUBLE))
+
+
+def _paired_delta_stats(reference: list[float], candidate: list[float], clusters: list[str], mean_of_clusters: bool,
+                        confidence: float) -> dict[str, Any]:
+    d = paired_delta(reference, candidate, clusters, mean_of_clusters, confidence)
+    return dict(n_pairs=d.n, clusters=d.clusters, delta_points=d.delta, ci_low=d.ci_low, ci_high=d.ci_high,
+                p_value=d.p_value, test=d.test, mde_points=d.mde)
+
+
+_RATIO_INTERVAL_STATS = duckdb.struct_type(dict(ratio=DOUBLE, ci_low=DOUBLE, ci_high=DOUBLE, repeats=BIGINT))
+
+
+def _ratio_interval_stats(reference: list[float] | None, candidate: list[float] | None,
+                          confidence: float) -> dict[str, Any] | None:
+    if not reference or not candidate:  # a side without a sweep point: the ratio is missing, not an error
+        return None
+    r = ratio_interval(reference, candidate, confidence)
+    return dict(ratio=r.ratio, ci_low=r.ci_low, ci_high=r.ci_high, repeats=r.repeats)
 
 
 def _one_line(err: duckdb.Error) -> str:

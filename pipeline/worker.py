@@ -96,21 +96,23 @@ class EvalWorker:
         return written
 
     def run_sweep(self, workload: str, requests: list[Request], cache: str) -> list[dict]:
-        """Throughput at doubling batch sizes until OOM or the sweep's limit; perf rows written and returned."""
+        """Throughput at doubling batch sizes until OOM or the sweep's limit, each point timed ``repeats`` times;
+        perf rows (one per timing) written and returned."""
         sweep, kivi = self.ctx.config.sweep, self.caches[cache]
-        rows, batch = [], sweep.start
-        while batch <= min(sweep.max_batch, len(requests)):
-            try:
-                point = self.engine.throughput(requests, kivi, batch, sweep.max_new_tokens)
-            except torch.OutOfMemoryError:
-                point = dict(batch_size=batch, oom=True)
-            rows.append(dict(model=self.ctx.config.model.spec, cache=cache, workload=workload,
-                             device=self.device_name, **point))
-            # A sweep runs for minutes: one line per point, as run_shard prints per shard.
-            measured = "OOM" if point["oom"] else f"{point['tokens_per_s']:.1f} tokens/s"
-            print(f"{workload} sweep {cache} batch {batch}: {measured}", flush=True)
-            if point["oom"]:
-                break
+        rows, batch, oom = [], sweep.start, False
+        while not oom and batch <= min(sweep.max_batch, len(requests)):
+            for repeat in range(sweep.repeats):
+                try:
+                    point = self.engine.throughput(requests, kivi, batch, sweep.max_new_tokens)
+                except torch.OutOfMemoryError:
+                    point = dict(batch_size=batch, oom=True)
+                rows.append(dict(model=self.ctx.config.model.spec, cache=cache, workload=workload,
+                                 device=self.device_name, repeat=repeat, **point))
+                # A sweep runs for minutes: one line per timing, as run_shard prints per shard.
+                measured = "OOM" if point["oom"] else f"{point['tokens_per_s']:.1f} tokens/s"
+                print(f"{workload} sweep {cache} batch {batch} #{repeat}: {measured}", flush=True)
+                if oom := point["oom"]:
+                    break
             batch *= 2
         self.archive.write_perf(rows)
         return rows

@@ -114,6 +114,10 @@ class Workload(ABC):
         """The sampled requests; each prompt as the engine renders it (``render_prompt``) plus its max_new_tokens
         fits in max_context tokens."""
 
+    def tasks(self) -> tuple[str, ...]:
+        """The `task` values its requests carry (gate rules name them); one task named as the workload by default."""
+        return (self.name,)
+
     def score(self, request: Request, prediction: str) -> Score:
         raise TypeError(f"workload '{self.name}' is a {self.kind} workload: it has no score")
 

@@ -97,6 +97,9 @@ class LongBench(Workload):
     Options = LongBenchOptions
     options: LongBenchOptions
 
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(self.options.tasks)
+
     def check_data(self) -> None:
         self._config("dataset2prompt.json")
         self._config("dataset2maxlen.json")

@@ -113,6 +113,9 @@ class NeedleInAHaystack(Workload):
     Options = NIAHOptions
     options: NIAHOptions
 
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(self.options.tasks)
+
     def check_data(self) -> None:
         if "niah" in self.options.tasks:
             self._essays()

@@ -1,4 +1,4 @@
-"""Gate rules: YAML validation, verdicts as hand-computed on the synthetic archive, fail-closed, exit code."""
+"""Gate rules: YAML validation, verdicts and intervals as hand-computed on the synthetic archive, fail-closed, exit code."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from synthetic_archive import K2, K4, write_gsm8k
+from synthetic_archive import K2, K4, MODEL, write_gsm8k
 
 from pipeline.archive import FP16, ArchiveWriter
 from pipeline.gate import (
@@ -54,17 +54,19 @@ def test_a_missing_or_malformed_rules_file_is_one_error_naming_it(tmp_path: Path
 
 def test_an_unknown_rule_kind_is_refused_with_a_suggestion_and_the_valid_kinds() -> None:
     with pytest.raises(GateConfigError, match=r"rules\[0\]\.kind='max_dropp'.*did you mean 'max_drop'.*cells_equal"):
-        rules({"kind": "max_dropp", "workload": "gsm8k", "points": 2})
+        rules({"kind": "max_dropp", "workload": "gsm8k", "margin": 2})
 
 
 def test_a_misspelled_field_is_named_with_a_suggestion() -> None:
-    with pytest.raises(GateConfigError, match=r"rules\[0\] \(r0\)\.point: unknown field \(did you mean 'points'\?\)"):
-        rules({"kind": "max_drop", "workload": "gsm8k", "point": 2})
+    with pytest.raises(GateConfigError, match=r"rules\[0\] \(r0\)\.margn: unknown field \(did you mean 'margin'\?\)"):
+        rules({"kind": "max_drop", "workload": "gsm8k", "margn": 2})
+    with pytest.raises(GateConfigError, match=r"rules\[0\] \(r0\)\.test: Input should be 'regression' or 'non_inferiority'"):
+        rules({"kind": "max_drop", "workload": "gsm8k", "margin": 2, "test": "regresion"})
 
 
 def test_a_negative_limit_a_missing_field_and_repeated_names_are_refused() -> None:
-    with pytest.raises(GateConfigError, match=r"rules\[0\] \(r0\)\.points: Input should be greater than or equal to 0"):
-        rules({"kind": "max_drop", "workload": "gsm8k", "points": -1})
+    with pytest.raises(GateConfigError, match=r"rules\[0\] \(r0\)\.margin: Input should be greater than or equal to 0"):
+        rules({"kind": "max_drop", "workload": "gsm8k", "margin": -1})
     with pytest.raises(GateConfigError, match=r"rules\[0\] \(r0\)\.ratio: Field required"):
         rules({"kind": "min_throughput_ratio"})
     with pytest.raises(GateConfigError, match="repeated: \\['same'\\]"):
@@ -74,42 +76,75 @@ def test_a_negative_limit_a_missing_field_and_repeated_names_are_refused() -> No
 def test_the_nightly_gate_passes_and_fails_exactly_as_hand_computed(store: Store) -> None:
     verdicts = evaluate(store, "nightly-a", load_gate(REPO / "configs/gates/nightly.yaml"))
     assert outcome(verdicts) == {
-        ("gsm8k-drop", K2): False,  # 5 points > 2
-        ("longbench-avg", K2): True, ("longbench-avg", K4): True,  # 0.75 and 0 points <= 1
+        # kivi-2 errs on one question fp16 answers: a 5-point drop whose interval [0, 15] reaches below 3.
+        ("gsm8k-drop", K2): True, ("gsm8k-drop-kivi4", K4): True,
+        ("longbench-avg", K2): True, ("longbench-avg", K4): True,  # drops 0.75 [0, 2.25] and 0 points, margin 3
         ("niah-cells", K2): False, ("niah-cells", K4): True,  # kivi-2 lost cell (4096, 0.5)
-        ("kivi2-throughput", K2): True,  # 1000 / 320 = 3.125x >= 2
+        ("kl-kivi2", K2): False, ("kl-kivi4", K4): False,  # the archive has no fidelity workload: fail closed
+        ("kivi2-throughput", K2): True,  # 1000 / 320 = 3.125x >= 1
     }
-    observed = {(v.rule, v.cache): v.observed for v in verdicts}
-    assert observed[("gsm8k-drop", K2)] == pytest.approx(5.0)
-    assert observed[("longbench-avg", K2)] == pytest.approx(0.75)
-    assert observed[("niah-cells", K2)] == 1.0 and observed[("kivi2-throughput", K2)] == pytest.approx(3.125)
-    niah_detail = next(v.detail for v in verdicts if v.rule == "niah-cells" and v.cache == K2)
-    assert "niah L=4096 depth=0.5: fp16 1.00 vs 0.00" in niah_detail
+    by_rule = {(v.rule, v.cache): v for v in verdicts}
+    gsm8k = by_rule[("gsm8k-drop", K2)]
+    # One discordant pair: McNemar p = 1. A resample holds k ~ Binomial(20, 1/20) copies of it, a drop of 5k
+    # points: P(k = 0) = 0.358 > 2.5% and P(k >= 4) = 0.016 < 2.5% <= P(k >= 3) = 0.075, so the interval is [0, 15].
+    assert (gsm8k.observed, gsm8k.ci_low, gsm8k.ci_high, gsm8k.p_value, gsm8k.n) == (pytest.approx(5.0), 0.0, 15.0, 1.0, 20)
+    assert "n too small for a 3-points limit" in gsm8k.detail and "not shown above 3 points" in gsm8k.detail
+    longbench = by_rule[("longbench-avg", K2)]
+    assert (longbench.observed, longbench.ci_low, longbench.ci_high) == (pytest.approx(0.75), 0.0, pytest.approx(2.25))
+    assert by_rule[("niah-cells", K2)].observed == 1.0 and by_rule[("kivi2-throughput", K2)].observed == pytest.approx(3.125)
+    assert "niah L=4096 depth=0.5: fp16 1.00 vs 0.00" in by_rule[("niah-cells", K2)].detail
+    assert by_rule[("kl-kivi2", K2)].detail == f"missing fidelity KL for {K2}"
     assert exit_code(verdicts) == 1
 
 
 @pytest.mark.parametrize("spec, passed", [
-    ({"kind": "max_drop", "workload": "longbench", "cache": K2, "points": 0.75}, True),  # computed as 0.7500000000000007
-    ({"kind": "max_drop", "workload": "longbench", "cache": K2, "points": 0.74}, False),
-    ({"kind": "max_drop", "workload": "longbench", "task": "narrativeqa", "cache": K2, "points": 2.25}, True),
-    ({"kind": "max_drop", "workload": "longbench", "task": "narrativeqa", "cache": K2, "points": 2.2}, False),
+    # gsm8k kivi-2: drop 5 [0, 15]. A regression test fails only when the whole interval is past the margin,
+    # non-inferiority passes only when the whole interval is inside it.
+    ({"kind": "max_drop", "workload": "gsm8k", "cache": K2, "margin": 0}, True),
+    ({"kind": "max_drop", "workload": "gsm8k", "cache": K2, "margin": 15, "test": "non_inferiority"}, False),
+    ({"kind": "max_drop", "workload": "gsm8k", "cache": K2, "margin": 15.01, "test": "non_inferiority"}, True),
+    # At 60% the interval is [0, 10]: P(k >= 2) = 0.264 >= 20% > P(k >= 3).
+    ({"kind": "max_drop", "workload": "gsm8k", "cache": K2, "margin": 10.01, "test": "non_inferiority", "confidence": 0.6}, True),
+    ({"kind": "max_drop", "workload": "gsm8k", "cache": K2, "margin": 10.01, "test": "non_inferiority"}, False),
+    ({"kind": "max_drop", "workload": "gsm8k", "cache": K4, "margin": 0.01, "test": "non_inferiority"}, True),
+    # One timing per sweep point: no interval, so the point decides a regression test ...
     ({"kind": "min_throughput_ratio", "cache": K4, "ratio": 1.75}, True),
     ({"kind": "min_throughput_ratio", "cache": K4, "ratio": 1.76}, False),
+    # ... and non-inferiority cannot be shown.
+    ({"kind": "min_throughput_ratio", "cache": K4, "ratio": 1.0, "test": "non_inferiority"}, False),
     ({"kind": "cells_equal", "cache": K2, "tolerance_points": 100}, True),
 ])
-def test_a_value_exactly_at_the_limit_passes_and_just_past_it_fails(store: Store, spec: dict, passed: bool) -> None:
+def test_each_test_judges_the_interval_against_its_limit(store: Store, spec: dict, passed: bool) -> None:
     assert [v.passed for v in evaluate(store, "nightly-a", rules(spec))] == [passed]
 
 
+def test_repeated_timings_give_the_throughput_ratio_an_interval(tmp_path: Path) -> None:
+    writer = ArchiveWriter(tmp_path, "timed")
+    for cache, timings in ((FP16, [100.0, 104.0, 96.0]), (K2, [150.0, 165.0, 135.0])):
+        writer.write_perf([{"model": MODEL, "cache": cache, "workload": "sharegpt", "batch_size": 8, "repeat": i,
+                            "tokens_per_s": t, "kv_bytes": 1, "fp16_kv_bytes": 2, "oom": False} for i, t in enumerate(timings)])
+    with Store(tmp_path) as store:
+        (row,) = store.records("SELECT * FROM throughput WHERE cache = $1", [K2])
+        verdicts = evaluate(store, "timed", rules({"kind": "min_throughput_ratio", "cache": K2, "ratio": 1.4},
+                                                  {"kind": "min_throughput_ratio", "cache": K2, "ratio": 1.4,
+                                                   "test": "non_inferiority"},
+                                                  {"kind": "min_throughput_ratio", "cache": K2, "ratio": 1.6}))
+    assert row["throughput_ratio"] == pytest.approx(1.5) and row["repeats"] == 3
+    # Each side's mean over a resample of its 3 timings: the ratio spans (135/104, 165/96) at most.
+    assert 135 / 104 - 1e-9 <= row["ratio_ci_low"] < 1.5 < row["ratio_ci_high"] <= 165 / 96 + 1e-9
+    assert [v.passed for v in verdicts] == [True, row["ratio_ci_low"] >= 1.4, True]
+
+
 @pytest.mark.parametrize("run_id, spec, detail", [
-    ("nightly-a", {"kind": "max_drop", "workload": "ruler", "points": 5}, "missing ruler scores"),
-    ("nightly-a", {"kind": "max_drop", "workload": "gsm8k", "cache": "kivi-k8v8-g32-r128", "points": 5}, "missing gsm8k scores"),
-    ("nightly-a", {"kind": "max_drop", "workload": "longbench", "task": "qasper", "cache": K2, "points": 5},
+    ("nightly-a", {"kind": "max_drop", "workload": "ruler", "margin": 5}, "missing ruler scores"),
+    ("nightly-a", {"kind": "max_drop", "workload": "gsm8k", "cache": "kivi-k8v8-g32-r128", "margin": 5}, "missing gsm8k scores"),
+    ("nightly-a", {"kind": "max_drop", "workload": "longbench", "task": "qasper", "cache": K2, "margin": 5},
      "missing longbench/qasper"),
     ("nightly-a", {"kind": "cells_equal", "workload": "ruler"}, "missing ruler cells for fp16"),
     ("canary-b", {"kind": "min_throughput_ratio", "cache": K4, "ratio": 1.0}, "missing sharegpt throughput for kivi-k4v4"),
-    ("nightly-a", {"kind": "no_regression_vs_baseline", "tolerance_points": 100}, "missing baseline"),
-    ("never-ran", {"kind": "max_drop", "workload": "gsm8k", "points": 100}, "missing: run never-ran has no KIVI cache"),
+    ("nightly-a", {"kind": "no_regression_vs_baseline", "margin": 100}, "missing baseline"),
+    ("nightly-a", {"kind": "max_kl", "max_kl": 1}, f"missing fidelity KL for {K2}"),
+    ("never-ran", {"kind": "max_drop", "workload": "gsm8k", "margin": 100}, "missing: run never-ran has no KIVI cache"),
 ])
 def test_a_metric_missing_from_the_archive_fails_closed(store: Store, run_id: str, spec: dict, detail: str) -> None:
     verdicts = evaluate(store, run_id, rules(spec))
@@ -123,35 +158,39 @@ def test_a_kivi_cache_that_answered_only_some_shards_fails_even_if_those_scores_
     write_gsm8k(writer, FP16, correct=10)
     write_gsm8k(writer, K2, correct=10, shards=(0,))  # identical answers, half the requests
     with Store(tmp_path) as store:
-        (verdict,) = evaluate(store, "partial", rules({"kind": "max_drop", "workload": "gsm8k", "points": 100}))
+        (verdict,) = evaluate(store, "partial", rules({"kind": "max_drop", "workload": "gsm8k", "margin": 100}))
     assert not verdict.passed and verdict.detail.startswith("incomplete gsm8k: 10 paired requests of 20 fp16")
 
 
-def test_the_canary_fails_only_the_cache_with_a_task_below_the_baseline_by_more_than_the_tolerance(store: Store) -> None:
-    verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "tolerance_points": 1.0}))
+def test_the_canary_shows_non_inferiority_except_for_the_cache_whose_task_interval_reaches_past_the_margin(store: Store) -> None:
+    verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "margin": 1.0,
+                                                  "test": "non_inferiority"}))
     assert outcome(verdicts) == {("r0", FP16): True, ("r0", K2): False, ("r0", K4): True}
     failed = next(v for v in verdicts if not v.passed)
-    assert failed.observed == pytest.approx(1.5) and "longbench/gov_report −1.50" in failed.detail
+    # gov_report, two requests: drops of 0 and 3 points, a resample holds 0, 1 or 2 of the second: [0, 3].
+    assert (failed.observed, failed.ci_low, failed.ci_high) == (pytest.approx(1.5), 0.0, pytest.approx(3.0))
+    assert "longbench/gov_report" in failed.detail and "failing: longbench/gov_report −1.50" in failed.detail
     assert {v.baseline_run_id for v in verdicts} == {"nightly-a"}  # taken from canary-b's manifest
 
 
-def test_the_canary_passes_within_a_looser_tolerance_and_the_gate_exits_zero(store: Store) -> None:
-    verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "tolerance_points": 1.5}))
-    assert len(verdicts) == 3 and exit_code(verdicts) == 0
+def test_the_canary_passes_a_regression_test_or_a_wider_margin_and_the_gate_exits_zero(store: Store) -> None:
+    for spec in ({"margin": 1.0}, {"margin": 3.5, "test": "non_inferiority"}):
+        verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", **spec}))
+        assert len(verdicts) == 3 and exit_code(verdicts) == 0, [v.detail for v in verdicts]
 
 
 def test_an_explicit_baseline_overrides_the_manifest(store: Store) -> None:
-    verdicts = evaluate(store, "nightly-a", rules({"kind": "no_regression_vs_baseline", "tolerance_points": 0}),
-                        baseline_run_id="canary-b")
+    verdicts = evaluate(store, "nightly-a", rules({"kind": "no_regression_vs_baseline", "margin": 0,
+                                                   "test": "non_inferiority"}), baseline_run_id="canary-b")
     # nightly-a vs canary-b is the reverse comparison: kivi-2 lost 5 gsm8k points.
     assert outcome(verdicts)[("r0", K2)] is False
-    assert max(v.observed for v in verdicts) == pytest.approx(5.0)
+    assert next(v.observed for v in verdicts if v.cache == K2) == pytest.approx(5.0)
 
 
 def test_the_canary_fails_closed_when_the_candidate_lacks_a_baseline_workload(archive: Path) -> None:
     shutil.rmtree(archive / "results/run_id=canary-b/workload=niah")
     with Store(archive) as store:
-        verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "tolerance_points": 100}))
+        verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "margin": 100}))
     assert not any(v.passed for v in verdicts) and all(v.detail.startswith("missing in candidate: niah") for v in verdicts)
 
 
@@ -159,7 +198,7 @@ def test_the_canary_refuses_to_compare_different_workload_versions(archive: Path
     for cache in (FP16, K2, K4):
         write_gsm8k(ArchiveWriter(archive, "canary-b"), cache, correct=14, version=4)
     with Store(archive) as store:
-        verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "tolerance_points": 100}))
+        verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "margin": 100}))
     assert not any(v.passed for v in verdicts)
     assert all("workload versions differ: gsm8k v4≠v3" in v.detail for v in verdicts)
 
@@ -208,7 +247,7 @@ def test_verdicts_of_an_archive_from_before_rules_files_read_with_no_rules(archi
 def test_the_canary_fails_closed_when_the_candidate_answered_fewer_requests_than_the_baseline(archive: Path) -> None:
     (archive / "results/run_id=canary-b/workload=gsm8k/cache=fp16/shard-00001.parquet").unlink()
     with Store(archive) as store:
-        verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "tolerance_points": 100}))
+        verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "margin": 100}))
     assert outcome(verdicts) == {("r0", FP16): False, ("r0", K2): True, ("r0", K4): True}
     assert next(v.detail for v in verdicts if v.cache == FP16).startswith("incomplete in candidate: gsm8k (10 of 20 requests)")
 

@@ -23,7 +23,7 @@ def head_dim_48_model(tiny_model_folder):
 def test_a_run_stopped_by_its_cache_is_marked_failed_gated_and_reported_as_partial(head_dim_48_model, data_dir,
                                                                                    tmp_path, capsys):
     rules = tmp_path / "rules.yaml"
-    rules.write_text(yaml.safe_dump({"rules": [{"name": "gsm8k-drop", "kind": "max_drop", "workload": "gsm8k", "points": 5}]}))
+    rules.write_text(yaml.safe_dump({"rules": [{"name": "gsm8k-drop", "kind": "max_drop", "workload": "gsm8k", "margin": 5}]}))
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(dict(
         kind="smoke", model={"spec": str(head_dim_48_model), "max_context": 1024}, caches=["kivi-2"],

@@ -1,4 +1,5 @@
-"""On SmolLM2, the gate passes KIVI-2 and fails a deliberately broken cache (2-bit per-token keys, R = 0)."""
+"""On SmolLM2, the gate passes KIVI-2 and fails a deliberately broken cache (2-bit per-token keys, R = 0) with an
+interval that excludes no drop."""
 
 from pathlib import Path
 
@@ -21,7 +22,7 @@ RULE = {k: v for k, v in next(r for r in yaml.safe_load(SMOKE_GATE.read_text())[
 
 def test_the_gate_passes_kivi2_and_fails_per_token_keys_without_residual(write_config, data_dir, tmp_path, ray_head, capsys):
     path = write_config(model={"spec": "smollm2-135m", "max_context": 1024}, caches=["kivi-2", "token-keys-2-r0"],
-                        data_dir=str(data_dir), workloads={"fidelity": {"n": 1, "tokens": 1024}},
+                        data_dir=str(data_dir), workloads={"fidelity": {"n": 4, "tokens": 384}},
                         ray={"address": ray_head[0], "num_actors": 1})
     config = load_config(path)
     summary = run(config, path.read_text(), run_id="gate-check", progress=False)
@@ -34,6 +35,10 @@ def test_the_gate_passes_kivi2_and_fails_per_token_keys_without_residual(write_c
     assert gate(summary.run_id, every_cache, str(config.archive)) == 1
     print(capsys.readouterr().out)  # the verdict tables, for the CI log
     with Store(config.archive) as store:
-        verdicts = {r["cache"]: r for r in store.records("SELECT cache, observed, passed FROM verdicts WHERE run_id = 'gate-check'")}
+        verdicts = {r["cache"]: r for r in store.records(
+            "SELECT cache, observed, ci_low, ci_high, n, passed FROM verdicts WHERE run_id = 'gate-check'")}
     assert verdicts[KIVI2]["passed"] and not verdicts[BROKEN]["passed"]
-    assert verdicts[BROKEN]["observed"] > verdicts[KIVI2]["observed"]  # observed = drop in top-1 agreement, points
+    broken = verdicts[BROKEN]  # observed: the drop in top-1 agreement, points, over 4 windows
+    assert broken["n"] == 4 and 0 < broken["ci_low"] <= broken["observed"] <= broken["ci_high"]
+    assert broken["ci_low"] > RULE["margin"]  # the regression test fails it: the whole interval past the margin
+    assert broken["observed"] > verdicts[KIVI2]["observed"]
