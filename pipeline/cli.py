@@ -59,8 +59,8 @@ def run_config(config_path: str, run_id: str | None = None, archive: str | None 
               f"sweeps {summary.sweeps} in {time.perf_counter() - began:.1f} s")
         for placement in summary.placements:
             print(f"  actor {placement}")
-    code = gate(run_id, config.gate, str(config.archive), config.baseline_run_id) if config.gate else 0
-    report(run_id, str(config.archive), str(config.reports))
+    code = gate(run_id, config.gate, config.archive, config.baseline_run_id) if config.gate else 0
+    report(run_id, config.archive, str(config.reports))
     return RUN_FAILED if failed else code
 
 
@@ -109,8 +109,8 @@ def _archive(root: str, run_id: str | None = None) -> Iterator[Store]:
 
     with Store(root) as store:
         if not store.run_ids():
-            raise InputError(f"no archive at {root} ({Path(root).resolve()}): no run in its runs/, results/ or perf/ "
-                             "folders; pass --archive PATH or set KIVI_ARCHIVE")
+            raise InputError(f"no archive at {root} ({store.root}): no run in its runs/, results/ or perf/ "
+                             "folders; pass --archive PATH or URI, or set KIVI_ARCHIVE")
         if run_id is not None:
             store.require_run(run_id)
         yield store
