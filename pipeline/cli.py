@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("config")
     p.add_argument("--run-id", help="resume this run (only missing shards are computed)")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
-    p.add_argument("--archive", help="archive root (default: the config's)")
+    p.add_argument("--archive", help="archive root: a folder or a URI, s3://bucket/prefix … (default: the config's)")
     p.add_argument("--no-ray", action="store_true", help="one worker in this process, without Ray (same worker code)")
     p = sub.add_parser("gate", help="evaluate gate rules for a run; exit 0 only if all pass")
     p.add_argument("run_id")
