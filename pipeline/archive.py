@@ -10,9 +10,14 @@ Layout under the archive root (partition columns live in the path only, as hive 
 Archives written before verdicts were kept per rules file hold ``verdicts/run_id=<id>/verdicts.parquet``;
 it reads as verdicts whose ``rules`` is null.
 
-Every file is written to ``<name>.tmp-<uuid>`` in its final folder, fsynced and renamed with
-``os.replace``: readers see either the old file or the new one, a rerun of a shard replaces it, and a
-crashed write leaves only a ``.tmp-`` file that no ``*.parquet`` glob matches.
+The root is a folder or a URI (``pipeline.archive_root``). Every file is written whole (a rename in a folder,
+one upload in an object store): readers see the old file or the new one, never part of one; a rerun of a shard
+replaces its file, and a crashed write leaves nothing that a ``*.parquet`` pattern matches.
+
+Two drivers of one run id (a rerun started while the first still runs) write the same deterministic shard × cache
+files, so the archive holds each once whatever their order. The manifest is read, changed and written whole by
+each status update: it always holds one driver's complete row, and of two updates racing, the later write wins
+(object stores offer no compare-and-swap through pyarrow); a finished driver's rerun of the run id restores it.
 """
 
 from __future__ import annotations
@@ -21,14 +26,14 @@ import datetime as dt
 import json
 import os
 import re
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from pipeline.archive_root import ArchiveRoot, open_root
 
 RUN_KINDS = ("nightly", "canary", "smoke")
 RUN_STATUSES = ("running", "complete", "failed")
@@ -153,10 +158,21 @@ def to_table(spec: TableSpec, rows: Iterable[dict[str, Any]]) -> pa.Table:
     return pa.table(columns, schema=spec.schema)
 
 
-def read_table(path: Path, spec: TableSpec) -> pa.Table:
+# An object replaced while it is read can come back as a mix of the old and the new one: pyarrow's S3 reads ask the
+# size first and then for that many bytes. Only a manifest is replaced while readers look (two drivers racing).
+_READ_ATTEMPTS = 3
+
+
+def read_table(root: ArchiveRoot, relative: str, spec: TableSpec) -> pa.Table:
     """One archive file with its partition columns restored from the path (``key=value`` folders)."""
-    table = pq.read_table(path)
-    parts = dict(p.split("=", 1) for p in path.parent.parts if "=" in p)
+    for attempt in range(_READ_ATTEMPTS):
+        try:
+            table = pq.read_table(pa.BufferReader(root.read(relative)))
+            break
+        except (pa.ArrowInvalid, OSError):  # a torn read fails Parquet's footer or metadata checks
+            if attempt == _READ_ATTEMPTS - 1:
+                raise
+    parts = dict(p.split("=", 1) for p in relative.split("/")[:-1] if "=" in p)
     for name in spec.partitions:
         table = table.append_column(name, pa.array([parts[name]] * table.num_rows, pa.string()))
     for field in spec.schema:  # a column added after the file was written reads as null
@@ -175,58 +191,52 @@ def _segment(kind: str, value: str) -> str:
     return f"{kind}={value}"
 
 
-def write_atomic(table: pa.Table, path: Path) -> None:
-    """Write ``table`` to ``path`` so that a reader or a crash never sees a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    # The rename itself is durable only once the directory entry is synced.
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def write_whole(root: ArchiveRoot, relative: str, table: pa.Table) -> str:
+    """Write ``table`` as Parquet to ``relative`` so that a reader or a crash never sees a partial file.
+
+    The file is built in memory first: a failure while encoding it leaves the archive untouched."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return root.write(relative, sink.getvalue())
 
 
 class ArchiveWriter:
-    """Writes one run's files under ``root``; safe to use from several processes on different shards."""
+    """Writes one run's files under ``root`` (a folder or a URI); safe to use from several processes and nodes on
+    different shards. Paths are relative to the root; written files are returned as their location."""
 
-    def __init__(self, root: str | os.PathLike[str], run_id: str) -> None:
-        self.root = Path(root)
+    def __init__(self, root: str | os.PathLike[str] | ArchiveRoot, run_id: str) -> None:
+        self.root = open_root(root)
         self.run_id = run_id
         self._run_dir = _segment("run_id", run_id)
 
-    def results_dir(self, workload: str, cache: str) -> Path:
-        return self.root / "results" / self._run_dir / _segment("workload", workload) / _segment("cache", cache)
+    def results_dir(self, workload: str, cache: str) -> str:
+        return f"results/{self._run_dir}/{_segment('workload', workload)}/{_segment('cache', cache)}"
 
-    def write_results(self, workload: str, cache: str, shard: int, rows: list[dict[str, Any]]) -> Path:
-        """Write (or atomically replace) the file of one shard × cache configuration."""
+    def shard_path(self, workload: str, cache: str, shard: int) -> str:
+        return f"{self.results_dir(workload, cache)}/shard-{shard:05d}.parquet"
+
+    def write_results(self, workload: str, cache: str, shard: int, rows: list[dict[str, Any]]) -> str:
+        """Write (or replace, whole) the file of one shard × cache configuration."""
         fixed = {"run_id": self.run_id, "workload": workload, "cache": cache, "shard": shard}
         # A workload with a single task names it after itself, so per-task views never join on NULL.
         filled = [{**row, "task": row.get("task") or workload} for row in rows]
         table = to_table(RESULTS, [_with_partition(RESULTS, row, fixed) for row in filled])
-        path = self.results_dir(workload, cache) / f"shard-{shard:05d}.parquet"
-        write_atomic(table.select(RESULTS.file_schema.names), path)
-        return path
+        return write_whole(self.root, self.shard_path(workload, cache, shard), table.select(RESULTS.file_schema.names))
+
+    def has_results(self, workload: str, cache: str, shard: int) -> bool:
+        return self.root.exists(self.shard_path(workload, cache, shard))
 
     def done_shards(self, workload: str, cache: str) -> set[int]:
         """Shards of this workload × cache already in the archive: what a resumed run may skip."""
-        folder = self.results_dir(workload, cache)
-        return {int(p.stem.removeprefix("shard-")) for p in folder.glob("shard-*.parquet")}
+        files = self.root.glob(f"{self.results_dir(workload, cache)}/shard-*.parquet")
+        return {int(f.rsplit("/", 1)[1].removeprefix("shard-").removesuffix(".parquet")) for f in files}
 
     def perf_caches(self, workload: str) -> set[str]:
         """Caches whose throughput sweep of this workload is already in the archive."""
-        folder = self.root / "perf" / self._run_dir / _segment("workload", workload)
-        return {p.name.removeprefix("cache=") for p in folder.glob("cache=*") if any(p.glob("*.parquet"))}
+        files = self.root.glob(f"perf/{self._run_dir}/{_segment('workload', workload)}/cache=*/*.parquet")
+        return {f.split("/")[3].removeprefix("cache=") for f in files}
 
-    def write_perf(self, rows: list[dict[str, Any]]) -> list[Path]:
+    def write_perf(self, rows: list[dict[str, Any]]) -> list[str]:
         """Write perf rows, one file per workload × cache × batch size (a rerun of a point replaces it)."""
         groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
         for row in rows:
@@ -235,29 +245,26 @@ class ArchiveWriter:
         paths = []
         for (workload, cache, batch), group in groups.items():
             table = to_table(PERF, group)  # validates before the file name is built from these values
-            folder = self.root / "perf" / self._run_dir / _segment("workload", workload) / _segment("cache", cache)
-            path = folder / f"batch-{int(batch):05d}.parquet"
-            write_atomic(table.select(PERF.file_schema.names), path)
-            paths.append(path)
+            path = f"perf/{self._run_dir}/{_segment('workload', workload)}/{_segment('cache', cache)}/batch-{int(batch):05d}.parquet"
+            paths.append(write_whole(self.root, path, table.select(PERF.file_schema.names)))
         return paths
 
     @property
-    def run_path(self) -> Path:
-        return self.root / "runs" / self._run_dir / "run.parquet"
+    def run_path(self) -> str:
+        return f"runs/{self._run_dir}/run.parquet"
 
-    def write_run(self, manifest: dict[str, Any]) -> Path:
+    def write_run(self, manifest: dict[str, Any]) -> str:
         """Write the run's manifest row; status defaults to running and started_at to now."""
         row = _with_partition(RUNS, {"status": "running", "started_at": _now(), **manifest}, {"run_id": self.run_id})
         _check_choice("runs.kind", row.get("kind"), RUN_KINDS)
         _check_choice("runs.status", row.get("status"), RUN_STATUSES)
-        write_atomic(to_table(RUNS, [row]).select(RUNS.file_schema.names), self.run_path)
-        return self.run_path
+        return write_whole(self.root, self.run_path, to_table(RUNS, [row]).select(RUNS.file_schema.names))
 
     def read_run(self) -> dict[str, Any] | None:
         """The manifest row as written (JSON columns still text), or None before `write_run`."""
-        if not self.run_path.exists():
+        if not self.root.exists(self.run_path):
             return None
-        return read_table(self.run_path, RUNS).to_pylist()[0]
+        return read_table(self.root, self.run_path, RUNS).to_pylist()[0]
 
     def update_run_status(
         self,
@@ -268,7 +275,7 @@ class ArchiveWriter:
         placements: list[dict[str, Any]] | None = None,
         fallbacks: dict[str, str] | None = None,
         error: str | None = None,
-    ) -> Path:
+    ) -> str:
         """Set the status; a final one stamps finished_at (now unless given); skipped, placements and fallbacks
         replace theirs; ``error`` is kept with a failed status only (a resumed run clears it)."""
         row = self.read_run()
@@ -285,13 +292,12 @@ class ArchiveWriter:
             row["fallbacks"] = fallbacks
         return self.write_run(row)
 
-    def write_verdicts(self, rules: str, rows: list[dict[str, Any]]) -> Path:
+    def write_verdicts(self, rules: str, rows: list[dict[str, Any]]) -> str:
         """Replace the run's verdicts of one rules file (re-evaluating it supersedes them; other files' stay)."""
         fixed = {"run_id": self.run_id, "rules": rules}
         table = to_table(VERDICTS, [_with_partition(VERDICTS, row, fixed) for row in rows])
-        path = self.root / "verdicts" / self._run_dir / f"rules-{re.sub(r'[^A-Za-z0-9._+-]', '_', rules)}.parquet"
-        write_atomic(table.select(VERDICTS.file_schema.names), path)
-        return path
+        path = f"verdicts/{self._run_dir}/rules-{re.sub(r'[^A-Za-z0-9._+-]', '_', rules)}.parquet"
+        return write_whole(self.root, path, table.select(VERDICTS.file_schema.names))
 
 
 def _with_partition(spec: TableSpec, row: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:

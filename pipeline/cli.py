@@ -60,8 +60,8 @@ def run_config(config_path: str, run_id: str | None = None, archive: str | None 
               f"sweeps {summary.sweeps} in {time.perf_counter() - began:.1f} s")
         for placement in summary.placements:
             print(f"  actor {placement}")
-    code = gate(run_id, config.gate, str(config.archive), config.baseline_run_id) if config.gate else 0
-    report(run_id, str(config.archive), str(config.reports))
+    code = gate(run_id, config.gate, config.archive, config.baseline_run_id) if config.gate else 0
+    report(run_id, config.archive, str(config.reports))
     return RUN_FAILED if failed else code
 
 
@@ -120,8 +120,8 @@ def _archive(root: str, run_id: str | None = None) -> Iterator[Store]:
 
     with Store(root) as store:
         if not store.run_ids():
-            raise InputError(f"no archive at {root} ({Path(root).resolve()}): no run in its runs/, results/ or perf/ "
-                             "folders; pass --archive PATH or set KIVI_ARCHIVE")
+            raise InputError(f"no archive at {root} ({store.root}): no run in its runs/, results/ or perf/ "
+                             "folders; pass --archive PATH or URI, or set KIVI_ARCHIVE")
         if run_id is not None:
             store.require_run(run_id)
         yield store
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("config")
     p.add_argument("--run-id", help="resume this run (only missing shards are computed)")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
-    p.add_argument("--archive", help="archive root (default: the config's)")
+    p.add_argument("--archive", help="archive root: a folder or a URI, s3://bucket/prefix … (default: the config's)")
     p.add_argument("--no-ray", action="store_true", help="one worker in this process, without Ray (same worker code)")
     p = sub.add_parser("gate", help="evaluate gate rules for a run; exit 0 only if all pass")
     p.add_argument("run_id")

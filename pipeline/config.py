@@ -18,6 +18,7 @@ from kivi import KiviConfig, KiviConfigError
 from kivi.config import did_you_mean
 from kivi.static_cache import static_unsupported
 from pipeline.archive import FP16
+from pipeline.archive_root import ArchiveLocationError, open_root
 from pipeline.errors import InputError, read_yaml, validation_problem
 from pipeline.gate import GateConfig, GateConfigError, load_gate, rule_problems
 from pipeline.models import RANDOM_PREFIX, ModelSpecError, check_model_spec
@@ -44,8 +45,11 @@ class RaySection(_Section):
     address: str | None = Field(None, description="cluster address; None starts a local Ray (or joins RAY_ADDRESS)")
     num_actors: PositiveInt | None = Field(None, description="None: one per GPU, or one CPU actor without GPUs")
     cpus_per_actor: float | None = Field(None, gt=0, description="CPU actors only; None shares the cluster's CPUs")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources each actor needs, e.g. "
+                                        "{eval_slot: 1} where each worker node offers one: actors only there, one a node")
     shard_size: PositiveInt = Field(8, description="requests per shard (the unit of resume and retry)")
-    max_retries: int = Field(2, ge=0, description="restarts of a dead actor and retries of its shard")
+    max_retries: int = Field(2, ge=0, description="restarts of a dead actor, and retries of a job lost with one (its "
+                             "process or node died) on the next free actor")
 
 
 class GenerationSection(_Section):
@@ -68,7 +72,8 @@ class RunConfig(_Section):
     cache_overrides: dict[str, dict[str, Any]] = Field(default_factory=dict, description="preset -> KiviConfig fields")
     workloads: dict[str, dict[str, Any]]
     data_dir: Path | None = Field(None, description="local data copies; None reads the Hub (env KIVI_DATA_DIR)")
-    archive: Path = Path("archive")
+    archive: str = Field("archive", description="archive root: a folder, or a URI that every node reaches (s3://bucket/prefix, "
+                         "gs://…, file://…), credentials and endpoint from the environment (AWS_*)")
     reports: Path = Field(Path("reports"), description="where reports/<run_id>/report.md is written")
     gate: Path | None = Field(None, description="gate rules YAML, relative to the config file")
     baseline_run_id: str | None = None
@@ -80,6 +85,11 @@ class RunConfig(_Section):
     @classmethod
     def _no_options_means_defaults(cls, workloads: Any) -> Any:
         return {k: v or {} for k, v in workloads.items()} if isinstance(workloads, dict) else workloads
+
+    @field_validator("archive", mode="before")
+    @classmethod
+    def _a_folder_as_text(cls, archive: Any) -> Any:
+        return os.fspath(archive) if isinstance(archive, os.PathLike) else archive
 
     @field_validator("caches")
     @classmethod
@@ -155,6 +165,10 @@ def _check(config: RunConfig, path: Path) -> None:
     if config.data_dir is not None and not config.data_dir.is_dir():
         fail("data_dir", FileNotFoundError(f"no folder {config.data_dir}: point the config's top-level data_dir "
                                            "(or KIVI_DATA_DIR) at the local data copies, e.g. ../shared/data"))
+    try:
+        open_root(config.archive).check()
+    except ArchiveLocationError as err:
+        fail("archive", err)
     if not config.workloads:
         fail("workloads", ValueError("name at least one workload"))
     sweeps, workloads = [], {}

@@ -482,7 +482,7 @@ def evaluate(
 
 
 def write_verdicts(root: str | os.PathLike[str], run_id: str, verdicts: Sequence[Verdict],
-                   rules_path: str | os.PathLike[str]) -> Path:
+                   rules_path: str | os.PathLike[str]) -> str:
     """Store the verdicts of one rules file in the archive, replacing an earlier evaluation of that file only."""
     rows = [asdict(v) | {"rules_path": str(rules_path)} for v in verdicts]
     return ArchiveWriter(root, run_id).write_verdicts(Path(rules_path).stem, rows)

@@ -128,8 +128,9 @@ def _execute(config: RunConfig, ctx: RunContext, shard_jobs, sweep_jobs, summary
 
 def _started(placement: dict, requested: float) -> dict:
     """A worker's placement, its start-up seconds since ``requested`` (scheduling, imports, model load: paid once
-    per actor, concurrently, so the part of a run that more GPUs cannot shorten) and its job count."""
-    return placement | {"ready_s": round(time.perf_counter() - requested, 1), "jobs": 0}
+    per actor, concurrently, so the part of a run that more GPUs cannot shorten), its job count and the jobs it
+    lost (it died during them: each ran again on the next free actor)."""
+    return placement | {"ready_s": round(time.perf_counter() - requested, 1), "jobs": 0, "lost_jobs": 0}
 
 
 def _in_process(ctx: RunContext, jobs: list, summary: RunSummary):
@@ -143,7 +144,11 @@ def _in_process(ctx: RunContext, jobs: list, summary: RunSummary):
 
 
 def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary):
-    """One actor per GPU (or CPU actors), each loading the model once; yields (actor, kind, job) as jobs finish."""
+    """One actor per GPU (or CPU actors), each loading the model once; yields (actor, kind, job) as jobs finish.
+
+    A job whose actor died (its process, or its whole node) goes back to the front of the queue for the next free
+    actor, on whatever node; Ray restarts the dead actor where resources allow, and it takes jobs again once up.
+    """
     import ray
 
     if not ray.is_initialized():
@@ -156,34 +161,69 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
     # Ray sets a CPU actor's torch threads to its num_cpus: without GPUs, actors split the cluster's cores.
     cpus = config.ray.cpus_per_actor or max(int(cluster.get("CPU", 1)) // n_actors, 1)
     resources = dict(num_gpus=1) if gpus else dict(num_cpus=cpus)
-    # A dead actor is restarted (reloading the model) and its in-flight shard retried; writes are idempotent.
-    actor_cls = ray.remote(max_restarts=config.ray.max_retries, max_task_retries=config.ray.max_retries)(EvalWorker)
+    if config.ray.resources:
+        resources["resources"] = dict(config.ray.resources)
+    # No task retries inside Ray: they would wait for the dead actor's restart, forever where no node has room.
+    actor_cls = ray.remote(max_restarts=config.ray.max_retries, max_task_retries=0)(EvalWorker)
     if CRASH_ONCE_ENV in os.environ:  # fault injection reaches actors of an already running cluster too
         resources["runtime_env"] = {"env_vars": {CRASH_ONCE_ENV: os.environ[CRASH_ONCE_ENV]}}
     requested = time.perf_counter()
     actors = [actor_cls.options(**resources).remote(ctx) for _ in range(n_actors)]
-    pending, ready = {a.placement.remote(): i for i, a in enumerate(actors)}, {}
-    while pending:  # stamped as each comes up
-        (ref,), _ = ray.wait(list(pending))
-        ready[pending.pop(ref)] = _started(ray.get(ref), requested)
-    summary.placements = [ready[i] for i in range(n_actors)]
-    idle, running = list(range(n_actors)), {}
+    starting = {}  # probe ref -> actor index; each actor's placement is stamped as it comes up
+    summary.placements = [{} for _ in actors]
+    queue, idle, running, losses, deaths = list(enumerate(jobs)), [], {}, [0] * len(jobs), [0] * n_actors
+    last_death = RuntimeError("every actor died and Ray restarts none")
+
+    def probe(index: int) -> None:  # answered once the actor is up (again), with where it runs
+        starting[actors[index].placement.remote()] = index
+
+    for index in range(n_actors):
+        probe(index)
     try:
-        while jobs or running:
-            while jobs and idle:
-                kind, job = jobs.pop(0)
+        while queue or running:
+            while queue and idle:
+                number, (kind, job) = queue.pop(0)
                 index = idle.pop()
                 actor = actors[index]
                 ref = actor.run_shard.remote(*job) if kind == "shard" else actor.run_sweep.remote(*job)
-                running[ref] = (index, kind, job)
-            (ref,), _ = ray.wait(list(running), num_returns=1)
-            index, kind, job = running.pop(ref)
-            ray.get(ref)  # re-raises a failure that outlived its retries: the run stops, a rerun resumes
+                running[ref] = (index, number)
+            if not (running or starting):
+                raise last_death  # no actor left to run the queue: the run stops, a rerun resumes
+            (ref,), _ = ray.wait([*starting, *running], num_returns=1)
+            if ref in starting:
+                index = starting.pop(ref)
+                try:
+                    placement = ray.get(ref)
+                except ray.exceptions.RayActorError as err:
+                    last_death = err
+                    deaths[index] += 1  # it died starting; once its restarts are spent, for good
+                    if deaths[index] <= config.ray.max_retries:
+                        probe(index)
+                    continue
+                previous = summary.placements[index]
+                summary.placements[index] = _started(placement, requested) | {
+                    "jobs": previous.get("jobs", 0), "lost_jobs": previous.get("lost_jobs", 0)}
+                idle.append(index)
+                continue
+            index, number = running.pop(ref)
+            try:
+                ray.get(ref)  # re-raises a job's own error: the run stops, a rerun resumes
+            except ray.exceptions.RayActorError:
+                losses[number] += 1
+                if losses[number] > config.ray.max_retries:
+                    raise
+                summary.placements[index]["lost_jobs"] += 1
+                queue.insert(0, (number, jobs[number]))
+                deaths[index] += 1
+                if deaths[index] <= config.ray.max_retries:
+                    probe(index)  # back in the pool once Ray has restarted it
+                continue
             idle.append(index)
-            yield index, kind, job
+            yield index, *jobs[number]
     finally:
         for actor in actors:
             ray.kill(actor)
+        summary.placements = [p for p in summary.placements if p]  # an actor that never came up ran nothing
 
 
 def generation_fallbacks(config: RunConfig) -> dict[str, str]:

@@ -33,14 +33,16 @@ import datetime as dt
 import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import duckdb
+import pyarrow as pa
+import pyarrow.dataset as ds
 from duckdb.sqltypes import BIGINT, BOOLEAN, DOUBLE, VARCHAR
 
 from kivi.config import did_you_mean
 from pipeline.archive import FP16, TABLES, TableSpec
+from pipeline.archive_root import ArchiveRoot, open_root
 from pipeline.errors import InputError
 from pipeline.stats import TASK_AVERAGED_WORKLOADS, VIEW_CONFIDENCE, paired_delta, ratio_interval
 
@@ -219,10 +221,14 @@ class UnknownRunError(InputError):
 
 
 class Store:
-    """An in-memory DuckDB whose views read the archive under ``root``; it never writes there."""
+    """An in-memory DuckDB whose views read the archive under ``root`` (a folder or a URI); it never writes there.
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root)
+    Each table is a pyarrow dataset over the files that exist when the store opens, handed to DuckDB, which pushes
+    its column and filter choices into the scan: a query on one run lists the archive once and opens only that
+    run's files, in a folder or an object store alike (BENCHMARKS.md, "DuckDB over an object store")."""
+
+    def __init__(self, root: str | os.PathLike[str] | ArchiveRoot) -> None:
+        self.root = open_root(root)
         self._con = duckdb.connect(":memory:")
         self._con.create_function("paired_delta_stats", _paired_delta_stats,
                                   [duckdb.list_type(DOUBLE), duckdb.list_type(DOUBLE), duckdb.list_type(VARCHAR), BOOLEAN,
@@ -231,24 +237,21 @@ class Store:
                                   [duckdb.list_type(DOUBLE), duckdb.list_type(DOUBLE), DOUBLE], _RATIO_INTERVAL_STATS,
                                   null_handling="special", side_effects=False)
         for spec in TABLES.values():
-            self._con.execute(f"CREATE VIEW {spec.name} AS SELECT {', '.join(spec.schema.names)} FROM {self._source(spec)}")
+            self._con.register(f"_files_{spec.name}", self.dataset(spec))
+            self._con.execute(f"CREATE VIEW {spec.name} AS SELECT {', '.join(spec.schema.names)} FROM _files_{spec.name}")
         for name, sql in _VIEWS.items():
             self._con.execute(f"CREATE VIEW {name} AS {sql}")
         for sql in _MACROS:
             self._con.execute(sql)
 
-    def _source(self, spec: TableSpec) -> str:
-        # An empty Arrow table keeps the view's columns and types: DuckDB cannot glob zero files, and a column
-        # added after older files were written reads as null in them (UNION BY NAME).
-        empty = f"_empty_{spec.name}"
-        self._con.register(empty, spec.schema.empty_table())
-        if not any(self.root.glob(spec.glob)):
-            return empty
-        # Hive values are text in our layout; without this DuckDB would turn run_id=20240601 into a number.
-        types = ", ".join(f"'{p}': 'VARCHAR'" for p in spec.partitions)
-        path = str(self.root / spec.glob).replace("'", "''")
-        files = f"read_parquet('{path}', hive_partitioning = true, union_by_name = true, hive_types = {{{types}}})"
-        return f"(SELECT * FROM {empty} UNION ALL BY NAME SELECT * FROM {files})"
+    def dataset(self, spec: TableSpec) -> ds.Dataset:
+        """The files of one table, as its view reads them."""
+        # The table's schema, given whole: no files still gives its columns and types, a column added after older
+        # files were written reads as null in them, and hive values stay text (run_id=20240601 is not a number).
+        folder = spec.glob.split("/", 1)[0]
+        partitioning = ds.partitioning(pa.schema([(p, pa.string()) for p in spec.partitions]), flavor="hive")
+        return ds.dataset([self.root.path(f) for f in self.root.glob(spec.glob)], schema=spec.schema, format="parquet",
+                          filesystem=self.root.fs, partitioning=partitioning, partition_base_dir=self.root.path(folder))
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> tuple[list[str], list[tuple]]:
         """Run one read-only statement (SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN); columns and rows."""

@@ -42,6 +42,11 @@ class Shard:
     requests: tuple[Request, ...]
 
 
+def crash_marker(run_id: str, workload: str, shard: int) -> str:
+    """The archive file that records the injected crash, so that the retry runs."""
+    return f".crashed-{run_id}-{workload}-{shard}"
+
+
 class EvalWorker:
     def __init__(self, ctx: RunContext):
         began = time.perf_counter()
@@ -65,11 +70,14 @@ class EvalWorker:
         try:
             import ray
 
-            gpu_ids = [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
+            on_ray = ray.is_initialized()
         except ImportError:
-            gpu_ids = []
+            on_ray = False
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()] if on_ray else []
         cuda = self.device.type == "cuda"
-        return dict(host=socket.gethostname(), pid=os.getpid(), device=str(self.device), ray_gpu_ids=gpu_ids,
+        # The Ray node tells apart nodes that share a host name (containers, a test cluster on one machine).
+        node_id = ray.get_runtime_context().get_node_id() if on_ray else None
+        return dict(host=socket.gethostname(), node_id=node_id, pid=os.getpid(), device=str(self.device), ray_gpu_ids=gpu_ids,
                     cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                     gpu_name=self.device_name if cuda else None,
                     # The physical GPU, whatever index CUDA_VISIBLE_DEVICES gives it in this process.
@@ -77,11 +85,14 @@ class EvalWorker:
                     load_s=round(self.load_s, 1))  # model load and workloads, in this worker's constructor
 
     def run_shard(self, shard: Shard, caches: list[str]) -> dict[str, int]:
-        """Generate, score and write one shard under each named cache; returns rows written per cache."""
+        """Generate, score and write one shard under each named cache not yet in the archive (a shard retried after
+        its actor died keeps what that actor wrote); returns rows written per cache."""
         self._maybe_crash(shard)
         workload = self.workloads[shard.workload]
         written = {}
         for cache in caches:
+            if self.archive.has_results(shard.workload, cache, shard.index):
+                continue
             began = time.perf_counter()
             if workload.kind == "teacher_forced":
                 rows = [self._fidelity_row(cache, r, workload) for r in shard.requests]
@@ -155,8 +166,8 @@ class EvalWorker:
     def _maybe_crash(self, shard: Shard) -> None:
         if os.environ.get(CRASH_ONCE_ENV) != f"{shard.workload}:{shard.index}":
             return
-        marker = self.archive.root / f".crashed-{self.ctx.run_id}-{shard.workload}-{shard.index}"
-        if not marker.exists():
-            marker.touch()
+        marker = crash_marker(self.ctx.run_id, shard.workload, shard.index)
+        if not self.archive.root.exists(marker):
+            self.archive.root.write(marker, b"")
             os._exit(1)  # a hard death, as an OOM kill or a lost node
 

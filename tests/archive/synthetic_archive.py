@@ -13,7 +13,6 @@ gov_report 0.235 (-1.50 points vs the baseline), and perf for fp16 and kivi-2 on
 from __future__ import annotations
 
 import datetime as dt
-from pathlib import Path
 
 from pipeline.archive import FP16, ArchiveWriter
 
@@ -82,7 +81,8 @@ K2_SWEEP = [28, 55, 105, 195, 350, 600, 1000]
 K4_SWEEP = [29, 56, 108, 198, 340, 560]
 
 
-def build_archive(root: Path) -> Path:
+def build_archive(root: str) -> str:
+    """The two runs under ``root`` (a folder or a URI); returns it."""
     a = ArchiveWriter(root, "nightly-a")
     a.write_run({"kind": "nightly", "model": MODEL, "git_sha": "0123abc", "config_yaml": CONFIG_YAML, "started_at": STARTED,
                  "versions": {"torch": "2.13.0", "transformers": "5.17.0", "triton": "3.6.0", "kernel": "k3-9f2e"}})

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from archive_files import listing, remove, write_parquet
 from synthetic_archive import K2, K4, MODEL, write_gsm8k
 
 from pipeline.archive import FP16, ArchiveWriter
@@ -34,7 +33,7 @@ def outcome(verdicts: list[Verdict]) -> dict[tuple[str, str | None], bool]:
 
 
 @pytest.fixture(scope="module")
-def store(shared_archive: Path) -> Store:
+def store(shared_archive: str) -> Store:
     with Store(shared_archive) as s:
         yield s
 
@@ -153,11 +152,11 @@ def test_a_metric_missing_from_the_archive_fails_closed(store: Store, run_id: st
     assert exit_code(verdicts) == 1
 
 
-def test_a_kivi_cache_that_answered_only_some_shards_fails_even_if_those_scores_match(tmp_path: Path) -> None:
-    writer = ArchiveWriter(tmp_path, "partial")
+def test_a_kivi_cache_that_answered_only_some_shards_fails_even_if_those_scores_match(root: str) -> None:
+    writer = ArchiveWriter(root, "partial")
     write_gsm8k(writer, FP16, correct=10)
     write_gsm8k(writer, K2, correct=10, shards=(0,))  # identical answers, half the requests
-    with Store(tmp_path) as store:
+    with Store(root) as store:
         (verdict,) = evaluate(store, "partial", rules({"kind": "max_drop", "workload": "gsm8k", "margin": 100}))
     assert not verdict.passed and verdict.detail.startswith("incomplete gsm8k: 10 paired requests of 20 fp16")
 
@@ -187,14 +186,14 @@ def test_an_explicit_baseline_overrides_the_manifest(store: Store) -> None:
     assert next(v.observed for v in verdicts if v.cache == K2) == pytest.approx(5.0)
 
 
-def test_the_canary_fails_closed_when_the_candidate_lacks_a_baseline_workload(archive: Path) -> None:
-    shutil.rmtree(archive / "results/run_id=canary-b/workload=niah")
+def test_the_canary_fails_closed_when_the_candidate_lacks_a_baseline_workload(archive: str) -> None:
+    remove(archive, "results/run_id=canary-b/workload=niah")
     with Store(archive) as store:
         verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "margin": 100}))
     assert not any(v.passed for v in verdicts) and all(v.detail.startswith("missing in candidate: niah") for v in verdicts)
 
 
-def test_the_canary_refuses_to_compare_different_workload_versions(archive: Path) -> None:
+def test_the_canary_refuses_to_compare_different_workload_versions(archive: str) -> None:
     for cache in (FP16, K2, K4):
         write_gsm8k(ArchiveWriter(archive, "canary-b"), cache, correct=14, version=4)
     with Store(archive) as store:
@@ -209,7 +208,7 @@ def test_exit_code_is_zero_only_when_there_are_verdicts_and_all_passed() -> None
     assert (exit_code([ok]), exit_code([ok, bad]), exit_code([])) == (0, 1, 1)
 
 
-def test_written_verdicts_are_queryable_and_a_reevaluation_replaces_them(archive: Path) -> None:
+def test_written_verdicts_are_queryable_and_a_reevaluation_replaces_them(archive: str) -> None:
     path = REPO / "configs/gates/nightly.yaml"
     with Store(archive) as store:
         write_verdicts(archive, "nightly-a", evaluate(store, "nightly-a", load_gate(path)), path)
@@ -219,7 +218,7 @@ def test_written_verdicts_are_queryable_and_a_reevaluation_replaces_them(archive
             ("only", K2, True, "rerun")]
 
 
-def test_each_rules_file_keeps_its_own_verdicts_named_after_it(archive: Path) -> None:
+def test_each_rules_file_keeps_its_own_verdicts_named_after_it(archive: str) -> None:
     smoke, nightly = REPO / "configs/gates/smoke.yaml", REPO / "configs/gates/nightly.yaml"
     with Store(archive) as store:
         write_verdicts(archive, "nightly-a", evaluate(store, "nightly-a", load_gate(smoke)), smoke)
@@ -229,23 +228,23 @@ def test_each_rules_file_keeps_its_own_verdicts_named_after_it(archive: Path) ->
         counts = store.query("SELECT rules, rules_path, count(*) FROM verdicts GROUP BY ALL ORDER BY rules")[1]
     # The nightly gate ran last and was re-evaluated; the smoke gate's five verdicts are still there.
     assert counts == [("nightly", str(nightly), 1), ("smoke", str(smoke), 5)]
-    assert sorted(p.name for p in (archive / "verdicts/run_id=nightly-a").iterdir()) == ["rules-nightly.parquet",
-                                                                                      "rules-smoke.parquet"]
+    assert listing(archive, "verdicts/run_id=nightly-a") == ["verdicts/run_id=nightly-a/rules-nightly.parquet",
+                                                             "verdicts/run_id=nightly-a/rules-smoke.parquet"]
 
 
-def test_verdicts_of_an_archive_from_before_rules_files_read_with_no_rules(archive: Path) -> None:
-    old = archive / "verdicts/run_id=nightly-a/verdicts.parquet"  # the layout before one file per rules file
-    old.parent.mkdir(parents=True)
-    pq.write_table(pa.table({"rule": ["r0"], "kind": ["max_drop"], "cache": [K2], "baseline_run_id": [None],
-                             "observed": [1.0], "threshold": [2.0], "passed": [True], "detail": ["old"]}), old)
+def test_verdicts_of_an_archive_from_before_rules_files_read_with_no_rules(archive: str) -> None:
+    # The layout before one file per rules file.
+    write_parquet(archive, "verdicts/run_id=nightly-a/verdicts.parquet", pa.table({
+        "rule": ["r0"], "kind": ["max_drop"], "cache": [K2], "baseline_run_id": [None], "observed": [1.0],
+        "threshold": [2.0], "passed": [True], "detail": ["old"]}))
     write_verdicts(archive, "nightly-a", [Verdict("new", "max_drop", K2, 0.0, 1.0, True, "")], "gates/smoke.yaml")
     with Store(archive) as store:
         assert store.query("SELECT rules, rule, detail FROM verdicts ORDER BY rule")[1] == [
             ("smoke", "new", ""), (None, "r0", "old")]
 
 
-def test_the_canary_fails_closed_when_the_candidate_answered_fewer_requests_than_the_baseline(archive: Path) -> None:
-    (archive / "results/run_id=canary-b/workload=gsm8k/cache=fp16/shard-00001.parquet").unlink()
+def test_the_canary_fails_closed_when_the_candidate_answered_fewer_requests_than_the_baseline(archive: str) -> None:
+    remove(archive, "results/run_id=canary-b/workload=gsm8k/cache=fp16/shard-00001.parquet")
     with Store(archive) as store:
         verdicts = evaluate(store, "canary-b", rules({"kind": "no_regression_vs_baseline", "margin": 100}))
     assert outcome(verdicts) == {("r0", FP16): False, ("r0", K2): True, ("r0", K4): True}
@@ -263,8 +262,8 @@ def test_same_outputs_fails_each_cache_with_a_changed_request_and_names_them(sto
     assert next(v for v in verdicts if v.cache == FP16).detail == "0 of 39 baseline requests differ"
 
 
-def test_same_outputs_counts_a_request_missing_from_the_candidate_and_filters_by_workload(archive: Path) -> None:
-    (archive / "results/run_id=canary-b/workload=gsm8k/cache=fp16/shard-00001.parquet").unlink()
+def test_same_outputs_counts_a_request_missing_from_the_candidate_and_filters_by_workload(archive: str) -> None:
+    remove(archive, "results/run_id=canary-b/workload=gsm8k/cache=fp16/shard-00001.parquet")
     with Store(archive) as store:
         gsm8k = evaluate(store, "canary-b", rules({"kind": "same_outputs_as_baseline", "workload": "gsm8k", "cache": FP16}))
         niah = evaluate(store, "canary-b", rules({"kind": "same_outputs_as_baseline", "workload": "niah"}))

@@ -4,12 +4,12 @@ paired intervals and each run's gate result; a name without KIVI results is a on
 from __future__ import annotations
 
 import datetime as dt
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from archive_files import copy
 from synthetic_archive import CONFIG_YAML, K2, K4, MODEL, STARTED, result_row, write_gsm8k
 
 from pipeline.archive import FP16, ArchiveWriter
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 OTHER_MODEL = "qwen2.5-tiny"
 
 
-def add_run(root: Path, run_id: str, day: int, k2_correct: int, kind: str = "nightly") -> None:
+def add_run(root: str, run_id: str, day: int, k2_correct: int, kind: str = "nightly") -> None:
     """A run ``day`` days after nightly-a: gsm8k only, fp16 and kivi-4 get 14 of 20 right, kivi-2 the first
     ``k2_correct`` (so its delta is −5 points per question it loses)."""
     writer = ArchiveWriter(root, run_id)
@@ -33,7 +33,7 @@ def add_run(root: Path, run_id: str, day: int, k2_correct: int, kind: str = "nig
     writer.update_run_status("complete")
 
 
-def gate_with(root: Path, run_id: str, rules: Path, text: str) -> None:
+def gate_with(root: str, run_id: str, rules: Path, text: str) -> None:
     rules.write_text(text)
     with Store(root) as store:
         write_verdicts(root, run_id, evaluate(store, run_id, load_gate(rules)), rules)
@@ -45,12 +45,13 @@ GSM8K_K4_RULE = f"  - {{name: gsm8k-k4, kind: max_drop, workload: gsm8k, cache: 
 
 
 @pytest.fixture(scope="module")
-def history_archive(shared_archive: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def history_archive(shared_archive: str, new_root, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The shared archive (nightly-a on 2025-06-01, canary-b stamped when built) and three later nightlies,
     nightly-2 gated on gsm8k / kivi-2, nightly-3 on gsm8k / kivi-2 and kivi-4, nightly-1 by a rules file since
     deleted (its verdicts carry their workload); and a run of another model."""
     tmp = tmp_path_factory.mktemp("history")
-    root = Path(shutil.copytree(shared_archive, tmp / "archive"))
+    root = new_root("history")
+    copy(shared_archive, root)
     for day, k2_correct in ((1, 13), (2, 14), (3, 12)):
         add_run(root, f"nightly-{day}", day, k2_correct)
     gate_with(root, "nightly-2", tmp / "gsm8k.yaml", GSM8K_K2_RULE)

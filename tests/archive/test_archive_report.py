@@ -3,12 +3,12 @@ the deltas' 95% intervals in the tables and as error bars, and the history of th
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import matplotlib.image
 import numpy as np
 import pytest
+from archive_files import copy
 from matplotlib.collections import LineCollection
 from synthetic_archive import K2, K4, write_gsm8k
 from test_archive_history import GSM8K_K2_RULE, add_run, gate_with
@@ -23,9 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def report(shared_archive: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    archive = tmp_path_factory.mktemp("with-verdicts") / "archive"
-    shutil.copytree(shared_archive, archive)
+def report(shared_archive: str, new_root, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    archive = new_root("with-verdicts")
+    copy(shared_archive, archive)
     with Store(archive) as store:
         for name in ("nightly", "smoke"):
             rules = REPO / f"configs/gates/{name}.yaml"
@@ -60,7 +60,7 @@ def test_longbench_gets_a_per_task_table_with_each_task_delta(report: Path) -> N
     assert "### gsm8k per task" not in text  # one task: the workload row says it all
 
 
-def figures_of(archive: Path, run_id: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+def figures_of(archive: str, run_id: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     """The report's figures by PNG name, kept instead of saved."""
     figures = {}
     monkeypatch.setattr(report_module, "_save", lambda fig, path: figures.setdefault(path.name, fig))
@@ -89,7 +89,7 @@ def test_the_delta_figure_draws_each_delta_with_its_95_interval(shared_archive, 
     assert (-15.0, 0.0) in drawn and (-6.75, 0.0) in drawn  # gsm8k and narrativeqa, kivi-2
 
 
-def test_each_niah_heatmap_cell_carries_its_score_as_text(shared_archive: Path, tmp_path: Path, monkeypatch) -> None:
+def test_each_niah_heatmap_cell_carries_its_score_as_text(shared_archive: str, tmp_path: Path, monkeypatch) -> None:
     figures = figures_of(shared_archive, "nightly-a", tmp_path, monkeypatch)
     panels = {ax.get_title(): ax for ax in figures["niah-niah-niah.png"].axes if ax.get_title()}
     assert sorted(panels) == sorted([FP16, K2, K4])
@@ -122,11 +122,11 @@ def test_the_gate_section_shows_each_rules_file_under_its_own_heading(report: Pa
     assert "| niah-cells" in nightly_section and "| fidelity-kivi4" not in nightly_section
 
 
-def test_a_run_with_only_gsm8k_gets_a_report_without_the_missing_sections(tmp_path: Path) -> None:
-    writer = ArchiveWriter(tmp_path / "archive", "small")
+def test_a_run_with_only_gsm8k_gets_a_report_without_the_missing_sections(root: str, tmp_path: Path) -> None:
+    writer = ArchiveWriter(root, "small")
     write_gsm8k(writer, FP16, correct=10)
     write_gsm8k(writer, K2, correct=8)
-    with Store(tmp_path / "archive") as store:
+    with Store(root) as store:
         path = write_report(store, "small", tmp_path / "out")
     text = path.read_text()
     assert f"| gsm8k    | {K2} | 50.00 | 40.00 | -10.00" in text and "no manifest row" in text

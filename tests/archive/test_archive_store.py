@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
-import pyarrow.parquet as pq
 import pytest
+from archive_files import listing, read_parquet, remove, write_parquet
 from synthetic_archive import K2, K4, write_gsm8k
 
 from pipeline.archive import FP16, RESULTS, TABLES, ArchiveWriter
@@ -14,7 +11,7 @@ from pipeline.store import ReadOnlyError, Store, format_table
 
 
 @pytest.fixture(scope="module")
-def store(shared_archive: Path) -> Store:
+def store(shared_archive: str) -> Store:
     with Store(shared_archive) as s:
         yield s
 
@@ -54,11 +51,11 @@ def test_kivi_task_deltas_give_each_longbench_task_its_own_delta(store: Store) -
         "narrativeqa": pytest.approx(-2.25), "gov_report": pytest.approx(0.0), "trec": pytest.approx(0.0)}
 
 
-def test_kivi_deltas_compare_only_requests_both_caches_answered_and_show_the_gap(tmp_path: Path) -> None:
-    writer = ArchiveWriter(tmp_path, "partial")
+def test_kivi_deltas_compare_only_requests_both_caches_answered_and_show_the_gap(root: str) -> None:
+    writer = ArchiveWriter(root, "partial")
     write_gsm8k(writer, FP16, correct=10)  # shard 0 (g00..g09) all right, shard 1 all wrong
     write_gsm8k(writer, K2, correct=9, shards=(0,))  # shard 1 never written
-    with Store(tmp_path) as store:
+    with Store(root) as store:
         (row,) = store.records("SELECT * FROM kivi_deltas WHERE run_id = 'partial'")
     # Shard 0 only: fp16 10/10, kivi 9/10 -> -10 points over 10 pairs, of 20 fp16 requests.
     assert (row["n_pairs"], row["n_fp16"], row["n_cache"]) == (10, 20, 10)
@@ -89,15 +86,15 @@ def test_baseline_deltas_compare_the_candidate_with_the_baseline_per_workload_an
     assert by(tasks, "task", value="delta_points")["narrativeqa"] == pytest.approx(2.25)
 
 
-def test_a_baseline_metric_the_candidate_lacks_appears_with_no_candidate_score(archive: Path) -> None:
-    shutil.rmtree(archive / "results/run_id=canary-b/workload=niah")
+def test_a_baseline_metric_the_candidate_lacks_appears_with_no_candidate_score(archive: str) -> None:
+    remove(archive, "results/run_id=canary-b/workload=niah")
     with Store(archive) as store:
         rows = store.records("SELECT * FROM baseline_deltas('canary-b', 'nightly-a') WHERE workload = 'niah'")
     assert len(rows) == 3 and all(r["candidate_score"] is None and r["baseline_score"] is not None for r in rows)
 
 
-def test_views_of_an_empty_archive_are_empty_and_keep_their_columns(tmp_path: Path) -> None:
-    with Store(tmp_path) as store:
+def test_views_of_an_empty_archive_are_empty_and_keep_their_columns(root: str) -> None:
+    with Store(root) as store:
         for view in [*TABLES, "task_scores", "workload_scores", "kivi_deltas", "kivi_task_deltas", "niah_cells", "throughput"]:
             assert store.query(f"SELECT * FROM {view}")[1] == [], view
         _, rows = store.query("DESCRIBE results")
@@ -106,20 +103,20 @@ def test_views_of_an_empty_archive_are_empty_and_keep_their_columns(tmp_path: Pa
         assert store.query("SELECT * FROM baseline_deltas('a', 'b')")[1] == []
 
 
-def test_an_archive_with_results_but_no_perf_still_opens_with_an_empty_throughput_view(tmp_path: Path) -> None:
-    write_gsm8k(ArchiveWriter(tmp_path, "r1"), FP16, correct=3)
-    with Store(tmp_path) as store:
+def test_an_archive_with_results_but_no_perf_still_opens_with_an_empty_throughput_view(root: str) -> None:
+    write_gsm8k(ArchiveWriter(root, "r1"), FP16, correct=3)
+    with Store(root) as store:
         assert store.query("SELECT count(*) FROM results")[1] == [(20,)]
         assert store.query("SELECT * FROM throughput")[1] == []
         assert store.query("SELECT * FROM verdicts")[1] == []
 
 
-def test_a_column_added_after_older_files_were_written_reads_as_null_in_them(tmp_path: Path) -> None:
-    writer = ArchiveWriter(tmp_path, "old-run")
+def test_a_column_added_after_older_files_were_written_reads_as_null_in_them(root: str) -> None:
+    writer = ArchiveWriter(root, "old-run")
     writer.write_run({"kind": "nightly", "status": "failed"})
-    old = pq.read_table(writer.run_path).drop_columns(["error"])  # a manifest written before runs.error existed
-    pq.write_table(old, writer.run_path)
-    with Store(tmp_path) as store:
+    old = read_parquet(root, writer.run_path).drop_columns(["error"])  # a manifest written before runs.error existed
+    write_parquet(root, writer.run_path, old)
+    with Store(root) as store:
         assert store.records("SELECT run_id, status, error FROM runs") == [
             {"run_id": "old-run", "status": "failed", "error": None}]
 
@@ -137,13 +134,13 @@ def test_a_column_added_after_older_files_were_written_reads_as_null_in_them(tmp
     "SELECT 1; DROP VIEW results",
     "SELEC 1",
 ])
-def test_query_refuses_anything_but_one_read_only_statement(archive: Path, sql: str) -> None:
-    before = sorted(p.relative_to(archive) for p in archive.rglob("*"))
+def test_query_refuses_anything_but_one_read_only_statement(archive: str, sql: str) -> None:
+    before = listing(archive)
     with Store(archive) as store:
         with pytest.raises(ReadOnlyError):
             store.query(sql.format(root=archive))
         assert store.query("SELECT count(*) FROM results WHERE run_id = 'nightly-a'")[1] == [(117,)]
-    assert sorted(p.relative_to(archive) for p in archive.rglob("*")) == before
+    assert listing(archive) == before
 
 
 @pytest.mark.parametrize("sql", [
@@ -170,8 +167,8 @@ def test_format_table_pads_columns_and_escapes_pipes_for_markdown() -> None:
     ]
 
 
-def test_a_numeric_looking_run_id_stays_text_in_the_views(tmp_path: Path) -> None:
-    write_gsm8k(ArchiveWriter(tmp_path, "20250601"), FP16, correct=3)
-    with Store(tmp_path) as store:
+def test_a_numeric_looking_run_id_stays_text_in_the_views(root: str) -> None:
+    write_gsm8k(ArchiveWriter(root, "20250601"), FP16, correct=3)
+    with Store(root) as store:
         assert store.query("SELECT DISTINCT run_id, typeof(run_id) FROM results")[1] == [("20250601", "VARCHAR")]
         assert store.query("SELECT count(*) FROM task_scores WHERE run_id = $1", ["20250601"])[1] == [(1,)]

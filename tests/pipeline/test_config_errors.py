@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from s3_server import free_ports
 
 from pipeline.config import ConfigError, load_config
 
@@ -159,3 +160,31 @@ def test_the_shipped_gpu_configs_validate_with_their_gates_against_the_local_dat
     config = load_config(CONFIGS / name, data_dir=str(data_dir), model={"spec": "smollm2-135m", "max_context": 8192},
                          **overrides)
     assert config.gate_rules().rules and len(config.kivi_configs()) == 3
+
+
+@pytest.mark.parametrize("archive, env, message", [
+    ("nosuch://bucket/x", {}, "archive: archive nosuch://bucket/x: Unrecognized filesystem type in URI: nosuch://bucket/x; "
+                              "use a folder, file://, s3://bucket/prefix"),
+    ("s3://AKIA:secret@bucket/x", {}, "credentials in the URI would be kept in configs, logs and manifests"),
+    ("s3://no-such-bucket/runs", {}, "bucket 'no-such-bucket' does not exist; create it (runs never create buckets)"),
+    ("s3://{bucket}/runs", {"AWS_SECRET_ACCESS_KEY": "wrong"},
+     "ACCESS_DENIED during HeadBucket operation: No response body.; check the endpoint (AWS_ENDPOINT_URL or the URI's "
+     "endpoint_override) and the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"),
+    ("s3://{bucket}/runs", {"AWS_ENDPOINT_URL": "http://127.0.0.1:{closed}"}, "check the endpoint (AWS_ENDPOINT_URL"),
+])
+def test_an_archive_that_cannot_be_reached_is_named_before_anything_runs(write_config, data_dir, s3_server, monkeypatch,
+                                                                         archive, env, message):
+    (closed,) = free_ports(1)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.format(closed=closed))
+    path = write_config(model=MODEL, data_dir=str(data_dir), workloads={"gsm8k": {"n": 2}},
+                        archive=archive.format(bucket=s3_server.bucket))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert message in str(err.value) and "secret" not in str(err.value).split("would")[0]
+
+
+def test_an_s3_archive_in_reach_validates(write_config, data_dir, s3_server):
+    path = write_config(model=MODEL, data_dir=str(data_dir), workloads={"gsm8k": {"n": 2}},
+                        archive=f"s3://{s3_server.bucket}/not-yet-written")
+    assert load_config(path).archive == f"s3://{s3_server.bucket}/not-yet-written"

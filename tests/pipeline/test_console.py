@@ -5,6 +5,7 @@ import datetime as dt
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def test_a_model_that_cannot_load_leaves_nothing_in_the_archive(write_config, da
     config = load_config(path)
     with pytest.raises(ModelSpecError, match="cannot load 'nobody/no-such-model'"):
         runner.run(config, path.read_text(), progress=False)
-    assert not config.archive.exists()  # no `failed` run row for a run that never started
+    assert not Path(config.archive).exists()  # no `failed` run row for a run that never started
 
 
 class _Engine:
