@@ -121,7 +121,8 @@ class EvalWorker:
                                  device=self.device_name, repeat=repeat, **point))
                 # A sweep runs for minutes: one line per timing, as run_shard prints per shard.
                 measured = "OOM" if point["oom"] else f"{point['tokens_per_s']:.1f} tokens/s"
-                print(f"{workload} sweep {cache} batch {batch} #{repeat}: {measured}", flush=True)
+                timing = f" #{repeat}" if sweep.repeats > 1 else ""
+                print(f"{workload} sweep {cache} batch {batch}{timing}: {measured}", flush=True)
                 if oom := point["oom"]:
                     break
             batch *= 2

@@ -74,6 +74,19 @@ def s3_config(tmp_path: Path, s3_server, cluster, workloads: dict, **fields) -> 
     return path, archive
 
 
+def submit_job(cluster, entrypoint: list[str]) -> subprocess.CompletedProcess:
+    """`ray job submit` to the cluster; resubmitted while the head's job agent is still starting (a loaded
+    machine takes longer than `wait_for_nodes` to bring it up)."""
+    for _ in range(30):
+        job = subprocess.run(
+            [str(Path(sys.executable).with_name("ray")), "job", "submit", "--address", cluster.dashboard,
+             "--working-dir", str(REPO_ROOT), "--", *entrypoint], capture_output=True, text=True, timeout=1200)
+        if "No available agent to submit job" not in job.stdout + job.stderr:
+            return job
+        time.sleep(2)
+    return job
+
+
 def results_keys(archive: str, run_id: str) -> list[tuple]:
     with Store(archive) as store:
         return store.query("SELECT workload, task, request_id, cache FROM results WHERE run_id = $1", [run_id])[1]
@@ -92,10 +105,7 @@ def test_the_nightly_job_on_three_nodes_writes_every_shard_and_cache_once_to_s3(
     ci = yaml.safe_load((REPO_ROOT / "configs/ci.yaml").read_text())
     path, archive = s3_config(tmp_path, s3_server, cluster, ci["workloads"], data_dir=str(data_dir),
                               sweep=ci["sweep"], gate=str(REPO_ROOT / "configs/gates/ci.yaml"))
-    job = subprocess.run(
-        [str(Path(sys.executable).with_name("ray")), "job", "submit", "--address", cluster.dashboard,
-         "--working-dir", str(REPO_ROOT), "--", "python", "-m", "jobs.nightly", "--config", str(path),
-         "--run-id", "nightly-3n"], capture_output=True, text=True, timeout=1200)
+    job = submit_job(cluster, ["python", "-m", "jobs.nightly", "--config", str(path), "--run-id", "nightly-3n"])
     assert "succeeded" in job.stdout, job.stdout[-3000:] + job.stderr[-3000:]
 
     assert_complete_once(archive, "nightly-3n", requests=7)  # gsm8k 2, longbench 2, niah 2, fidelity 1
