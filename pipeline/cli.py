@@ -38,7 +38,7 @@ def run_config(config_path: str, run_id: str | None = None, archive: str | None 
     RUN_FAILED when the run stopped: it is still gated and reported with what it wrote, marked partial."""
     from pipeline.archive import ArchiveWriter
     from pipeline.config import load_config
-    from pipeline.runner import describe_failure, new_run_id, run
+    from pipeline.runner import ResumeError, describe_failure, new_run_id, run
 
     overrides = dict(archive=archive, kind=kind, baseline_run_id=baseline_run_id)
     config = load_config(config_path, **overrides)
@@ -48,6 +48,8 @@ def run_config(config_path: str, run_id: str | None = None, archive: str | None 
     began = time.perf_counter()
     try:
         summary = run(config, Path(config_path).read_text(), run_id, in_process=no_ray)
+    except ResumeError:
+        raise  # refused before anything ran: the run's manifest and files are as they were
     except Exception as err:
         if ArchiveWriter(config.archive, run_id).read_run() is None:
             raise  # stopped before the run began: nothing to gate or report

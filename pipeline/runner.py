@@ -13,11 +13,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from tqdm import tqdm
 
 from pipeline.archive import ArchiveWriter
 from pipeline.config import RunConfig
 from pipeline.engine import fallback_reason
+from pipeline.errors import InputError
 from pipeline.models import load_model_config, load_tokenizer, meta_model
 from pipeline.worker import CRASH_ONCE_ENV, EvalWorker, RunContext, Shard
 from pipeline.workloads import Request, Workload, check_budget
@@ -52,9 +54,11 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
     ``in_process``: one worker in this process instead of Ray actors (same worker code, same archive).
     """
     run_id = run_id or new_run_id(config.kind)
-    tokenizer = load_tokenizer(config.model.tokenizer or config.model.spec)  # a bad spec fails before the first write
     archive = ArchiveWriter(config.archive, run_id)
     manifest = archive.read_run()
+    if manifest is not None:
+        _check_resumable(run_id, manifest["config_yaml"], config_yaml)
+    tokenizer = load_tokenizer(config.model.tokenizer or config.model.spec)  # a bad spec fails before the first write
     started = manifest["started_at"] if manifest else dt.datetime.now(dt.UTC)
     ctx = RunContext(run_id, config, started, _git_sha())
     if manifest is None:
@@ -74,6 +78,30 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
         raise
     archive.update_run_status("complete", skipped=skipped, placements=summary.placements, fallbacks=summary.fallbacks)
     return summary
+
+
+# What decides a run's requests, shards and caches: a resume under other values would take the files of one
+# layout for another (shard 0 of 256 requests counted as done for shard 0 of 25).
+_RESUME_FIELDS = ("model", "caches", "cache_overrides", "workloads", "generation", "sweep", "ray.shard_size")
+
+
+class ResumeError(InputError):
+    """A run id resumed with a config whose requests or shards differ from those the run was started with."""
+
+
+def _check_resumable(run_id: str, started_yaml: str | None, config_yaml: str) -> None:
+    def field(text: str | None, name: str):
+        value = yaml.safe_load(text or "") or {}
+        for key in name.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    changed = [name for name in _RESUME_FIELDS if field(started_yaml, name) != field(config_yaml, name)]
+    if changed:
+        raise ResumeError(
+            f"run {run_id} was started with other {', '.join(changed)}: its files would not match this config's "
+            f"requests and shards; resume it with the config it ran (kivi-eval query \"SELECT config_yaml FROM runs "
+            f"WHERE run_id = '{run_id}'\") or start a new run id")
 
 
 def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary, tokenizer):

@@ -168,8 +168,9 @@ def test_a_node_removed_mid_run_has_its_shards_retried_on_the_others(cluster, s3
     summary = outcome["summary"]  # the run finished on the two nodes left
 
     assert_complete_once(archive, "lost-node", requests=9)
-    lost = next(p for p in summary.placements if p["node_id"] == removed)
-    assert lost["lost_jobs"] == 1
+    # The actor of the removed node lost its job; where Ray found room it was restarted, on another node, and its
+    # placement now names that node.
+    assert [p["lost_jobs"] for p in summary.placements if p["lost_jobs"]] == [1]
     assert sum(p["jobs"] for p in summary.placements) == 9  # each job counted once, where it finished
     assert ArchiveWriter(archive, "lost-node").read_run()["status"] == "complete"
     cluster.add_node(**NODE)  # three nodes again for whatever runs next

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pipeline.config import load_config
-from pipeline.runner import run
+from pipeline.archive import ArchiveWriter
+from pipeline.runner import ResumeError, run
 from pipeline.store import Store
 from pipeline.worker import CRASH_ONCE_ENV, crash_marker
 
@@ -104,3 +105,18 @@ def test_the_sweep_doubles_the_batch_on_the_static_engine_and_records_each_point
         assert not p["oom"] and p["gen_len"] == 6 and p["prompt_len"] > 0
         assert p["tokens_per_s"] > 0 and p["decode_tokens_per_s"] > 0 and p["step_ms"] > 0 and p["prefill_s"] > 0
         assert p["kv_bytes"] > 0 and p["fp16_kv_bytes"] > 0
+
+
+def test_a_run_resumed_under_another_shard_layout_or_workload_is_refused_before_anything_loads(write_config, data_dir):
+    started = write_config("started.yaml", model=MODEL, caches=["kivi-2"], data_dir=str(data_dir),
+                           workloads={"gsm8k": GSM8K}, ray={"shard_size": 2})
+    ArchiveWriter(load_config(started).archive, "r1").write_run(
+        {"kind": "nightly", "model": MODEL["spec"], "config_yaml": started.read_text()})
+    for name, fields in (("shards.yaml", dict(ray={"shard_size": 1})),
+                         ("more.yaml", dict(workloads={"gsm8k": {**GSM8K, "n": 7}}, ray={"shard_size": 2}))):
+        path = write_config(name, model=MODEL, caches=["kivi-2"], data_dir=str(data_dir),
+                            **{"workloads": {"gsm8k": GSM8K}, **fields})
+        with pytest.raises(ResumeError, match=r"run r1 was started with other (ray.shard_size|workloads): "):
+            run(load_config(path), path.read_text(), run_id="r1", progress=False)
+    manifest = ArchiveWriter(load_config(started).archive, "r1").read_run()
+    assert manifest["status"] == "running" and manifest["config_yaml"] == started.read_text()  # left as it was
