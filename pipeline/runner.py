@@ -90,13 +90,13 @@ class ResumeError(InputError):
 
 
 def _check_resumable(run_id: str, started_yaml: str | None, config_yaml: str) -> None:
-    def field(text: str | None, name: str):
-        value = yaml.safe_load(text or "") or {}
+    def field(config: dict, name: str):
         for key in name.split("."):
-            value = value.get(key) if isinstance(value, dict) else None
-        return value
+            config = config.get(key) if isinstance(config, dict) else None
+        return config
 
-    changed = [name for name in _RESUME_FIELDS if field(started_yaml, name) != field(config_yaml, name)]
+    started, now = (yaml.safe_load(text or "") or {} for text in (started_yaml, config_yaml))
+    changed = [name for name in _RESUME_FIELDS if field(started, name) != field(now, name)]
     if changed:
         raise ResumeError(
             f"run {run_id} was started with other {', '.join(changed)}: its files would not match this config's "
