@@ -47,9 +47,12 @@ def cluster(s3_server, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():
             patch.setenv(name, value)
-        (dashboard,) = free_ports(1)
+        # The head's job agent on a free port, not Ray's fixed default: a port another Ray on this machine holds
+        # leaves the head without an agent, and every submission is refused.
+        dashboard, agent = free_ports(2)
         cluster = Cluster(initialize_head=True, head_node_args=dict(
             NODE, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard,
+            dashboard_agent_listen_port=agent,
             temp_dir=str(tmp_path_factory.mktemp("ray"))))
         for _ in range(2):
             cluster.add_node(**NODE)
