@@ -30,10 +30,7 @@ def fill_streams(keys: torch.Tensor, values: torch.Tensor, lengths: list[int], c
     """KVStreams for keys, values [B, Hkv, T, D] as KiviLayer leaves them when it attends: sequence b holds its
     first lengths[b] tokens, stored as a left-padded prompt, flushes, and ``decode_steps`` single-token steps
     whose last one is appended but not yet flushed."""
-    streams = (
-        KVStream(config.k_bits, config.group_size, config.residual_length, config.key_axis, config.sink_tokens),
-        KVStream(config.v_bits, config.group_size, config.residual_length, config.value_axis, config.sink_tokens),
-    )
+    streams = KVStream(config.keys), KVStream(config.values)
     prompt = [n - decode_steps for n in lengths]
     width = max(prompt)
     valid = torch.tensor([[j >= width - p for j in range(width)] for p in prompt], device=keys.device)

@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from kernels._triton import LOG2E, merge_splits, split_count, split_targets, store_split
-from kivi.quant import codes_per_word
+from kivi.config import KiviConfig
+from kivi.quant import StreamBuffers, codes_per_word
 
 HEAD_DIMS = (64, 128)  # head sizes checked on the GPU
 TAIL_BLOCK = tl.constexpr(16)  # tokens per tail block: divides every group size (>= 16), so one key group per block
@@ -394,11 +395,11 @@ def tile_tokens(k_bits: int, group_size: int) -> int:
     return tile_rows(k_bits, group_size) * codes_per_word(k_bits)
 
 
-def default_num_splits(batch: int, kv_heads: int, max_tokens: int, k_bits: int, group_size: int, device: torch.device,
+def default_num_splits(batch: int, kv_heads: int, max_tokens: int, config: KiviConfig, device: torch.device,
                        per_sm: int = 32) -> int:
     """Splits per sequence for about ``per_sm`` one-warp programs per multiprocessor, each with >= 2 fast tiles
     of the longest sequence."""
-    return split_count(batch, kv_heads, max_tokens, 2 * tile_tokens(k_bits, group_size), 128, per_sm, device)
+    return split_count(batch, kv_heads, max_tokens, 2 * tile_tokens(config.k_bits, config.group_size), 128, per_sm, device)
 
 
 def default_num_stages(q_heads: int, kv_heads: int) -> int:
@@ -408,54 +409,46 @@ def default_num_stages(q_heads: int, kv_heads: int) -> int:
     return 2 if q_heads == kv_heads else 1
 
 
-def decode_attention_tensors(
+def decode_attention(
     query: torch.Tensor,  # [B, Hq, 1, D]
-    k_sink: torch.Tensor,  # [B, Hkv, S, D] model dtype
-    k_codes: torch.Tensor,  # [B, Hkv, Tk // cpw_k, D] int32 (keys grouped along tokens)
-    k_scale: torch.Tensor,  # [B, Hkv, Tk // G, D]
-    k_zero: torch.Tensor,
-    k_resid: torch.Tensor,  # [B, Hkv, Rk, D]
-    v_sink: torch.Tensor,  # [B, Hkv, S, D]
-    v_codes: torch.Tensor,  # [B, Hkv, Tv, D // cpw_v] int32 (values grouped along channels)
-    v_scale: torch.Tensor,  # [B, Hkv, Tv, D // G]
-    v_zero: torch.Tensor,
-    v_resid: torch.Tensor,  # [B, Hkv, Rv, D]: positions n_qv.. in order, or with v_ring position i at row i % Rv
+    keys: StreamBuffers,  # sinks [B, Hkv, S, D]; codes [B, Hkv, Tk // cpw_k, D] (grouped along tokens), scale/zero
+                          # [B, Hkv, Tk // G, D]; residual [B, Hkv, Rk, D]
+    values: StreamBuffers,  # sinks [B, Hkv, S, D]; codes [B, Hkv, Tv, D // cpw_v] (grouped along channels), scale/zero
+                            # [B, Hkv, Tv, D // G]; residual [B, Hkv, Rv, D]: positions n_qv.. in order, or with
+                            # v_ring position i at row i % Rv
     counts: torch.Tensor,  # int32 [4, B] on the device: n_sink, n_quant keys, n_quant values, tokens after the sinks
-    k_bits: int,
-    v_bits: int,
-    group_size: int,
+    config: KiviConfig,  # bit widths and group size (one layer's)
     scaling: float,
     num_splits: int,
     out: torch.Tensor | None = None,  # [B, Hq, 1, D], any float dtype (tests pass float32 to see unrounded results)
     num_stages: int | None = None,  # software pipelining; None: measured fastest (``default_num_stages``)
     v_ring: bool = False,
 ) -> torch.Tensor:
-    """Decode attention over KIVI buffers laid out as ``kivi.stream.KVStream`` holds them. Returns ``out``.
+    """Decode attention over KIVI buffers in the layout of ``kivi.quant``. Returns ``out``.
 
-    Per sequence, n_quant keys must be a multiple of ``group_size`` (KVStream flushes keys in whole groups).
+    Per sequence, n_quant keys must be a multiple of the group size (keys flush in whole groups).
     """
+    k_bits, v_bits, group_size = config.k_bits, config.v_bits, config.group_size
     batch, q_heads, q_len, dim = query.shape
-    kv_heads = k_resid.shape[1]
-    dtype = k_resid.dtype
-    if q_len != 1 or q_heads % kv_heads:
-        raise ValueError(f"decode_attention: query must be [B, Hq, 1, D] with Hq % Hkv == 0, got {tuple(query.shape)}, Hkv={kv_heads}")
-    if k_bits not in (2, 4, 8) or v_bits not in (2, 4, 8):
-        raise ValueError(f"decode_attention: k_bits and v_bits must be 2, 4 or 8, got {k_bits}, {v_bits}")
-    reason = _shape_problem(dim, group_size, k_bits)
-    if reason:
+    kv_heads = keys.resid.shape[1]
+    dtype = keys.resid.dtype
+    if reason := unsupported(config, query.shape):
         raise ValueError(f"decode_attention: {reason}")
+    if q_heads % kv_heads:
+        raise ValueError(f"decode_attention: query must be [B, Hq, 1, D] with Hq % Hkv == 0, got {tuple(query.shape)}, Hkv={kv_heads}")
     cpw_k, cpw_v, vg = codes_per_word(k_bits), codes_per_word(v_bits), dim // group_size
+    k_groups, v_tokens, sinks = keys.packed.scale.shape[2], values.packed.codes.shape[2], keys.sink.shape[2]
     expected = {
-        "k_sink": (k_sink, (batch, kv_heads, k_sink.shape[2], dim), dtype),
-        "v_sink": (v_sink, (batch, kv_heads, k_sink.shape[2], dim), dtype),
-        "k_codes": (k_codes, (batch, kv_heads, k_scale.shape[2] * group_size // cpw_k, dim), torch.int32),
-        "k_scale": (k_scale, (batch, kv_heads, k_scale.shape[2], dim), dtype),
-        "k_zero": (k_zero, (batch, kv_heads, k_scale.shape[2], dim), dtype),
-        "k_resid": (k_resid, (batch, kv_heads, k_resid.shape[2], dim), dtype),
-        "v_codes": (v_codes, (batch, kv_heads, v_codes.shape[2], dim // cpw_v), torch.int32),
-        "v_scale": (v_scale, (batch, kv_heads, v_codes.shape[2], vg), dtype),
-        "v_zero": (v_zero, (batch, kv_heads, v_codes.shape[2], vg), dtype),
-        "v_resid": (v_resid, (batch, kv_heads, v_resid.shape[2], dim), dtype),
+        "keys.sink": (keys.sink, (batch, kv_heads, sinks, dim), dtype),
+        "values.sink": (values.sink, (batch, kv_heads, sinks, dim), dtype),
+        "keys.codes": (keys.packed.codes, (batch, kv_heads, k_groups * group_size // cpw_k, dim), torch.int32),
+        "keys.scale": (keys.packed.scale, (batch, kv_heads, k_groups, dim), dtype),
+        "keys.zero": (keys.packed.zero, (batch, kv_heads, k_groups, dim), dtype),
+        "keys.resid": (keys.resid, (batch, kv_heads, keys.resid.shape[2], dim), dtype),
+        "values.codes": (values.packed.codes, (batch, kv_heads, v_tokens, dim // cpw_v), torch.int32),
+        "values.scale": (values.packed.scale, (batch, kv_heads, v_tokens, vg), dtype),
+        "values.zero": (values.packed.zero, (batch, kv_heads, v_tokens, vg), dtype),
+        "values.resid": (values.resid, (batch, kv_heads, values.resid.shape[2], dim), dtype),
         "counts": (counts, (4, batch), torch.int32),
     }
     for name, (t, shape, want) in expected.items():
@@ -472,11 +465,12 @@ def decode_attention_tensors(
     group_heads = q_heads // kv_heads
     if num_stages is None:
         num_stages = default_num_stages(q_heads, kv_heads)
+    kq, vq = keys.packed, values.packed
     _decode_kernel[(batch * kv_heads, num_splits)](
-        query, target, lse, k_sink, v_sink, k_codes, k_scale, k_zero, k_resid, v_codes, v_scale, v_zero, v_resid, counts,
-        batch, kv_heads, num_splits, scaling * LOG2E,
+        query, target, lse, keys.sink, values.sink, kq.codes, kq.scale, kq.zero, keys.resid, vq.codes, vq.scale, vq.zero,
+        values.resid, counts, batch, kv_heads, num_splits, scaling * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_sink.shape[2], k_codes.shape[2], k_scale.shape[2], k_resid.shape[2], v_codes.shape[2], v_resid.shape[2],
+        sinks, kq.codes.shape[2], k_groups, keys.resid.shape[2], v_tokens, values.resid.shape[2],
         HG=group_heads, HP=triton.next_power_of_2(group_heads), HEAD_DIM=dim, BITS_K=k_bits, BITS_V=v_bits,
         GROUP=group_size, ROWS=tile_rows(k_bits, group_size), SINGLE=num_splits == 1, GPU=query.is_cuda, V_RING=v_ring, num_warps=1, num_stages=num_stages,
     )
@@ -485,48 +479,18 @@ def decode_attention_tensors(
     return out
 
 
-def unsupported(query: torch.Tensor, key_stream, value_stream) -> str | None:
-    """Why the fused kernel cannot serve this layer's streams (None when it can)."""
-    if query.shape[2] != 1:
-        return f"q_len={query.shape[2]} (decode only)"
-    if key_stream.axis != "channel" or value_stream.axis != "token":
+def unsupported(config: KiviConfig, shape: torch.Size | tuple[int, ...]) -> str | None:
+    """Why the fused kernel cannot serve a layer of ``config`` for queries of ``shape`` [B, Hq, q, D] (None when it can)."""
+    if shape[2] != 1:
+        return f"q_len={shape[2]} (decode only)"
+    if config.key_axis != "channel" or config.value_axis != "token":
         return "needs keys grouped along tokens (axis 'channel') and values along channels (axis 'token')"
-    if not (key_stream.quantizes and value_stream.quantizes):
+    if not (config.keys.quantizes and config.values.quantizes):
         return "both streams must be quantized (2, 4 or 8 bits)"
-    if value_stream.group_size != key_stream.group_size:
-        return "keys and values must share group_size"
-    return _shape_problem(query.shape[-1], key_stream.group_size, key_stream.bits)
-
-
-def _shape_problem(dim: int, group_size: int, k_bits: int) -> str | None:
+    dim, g, k_bits = shape[-1], config.group_size, config.k_bits
     if dim not in HEAD_DIMS:
         return f"head_dim={dim}: the kernel is checked for head_dim {HEAD_DIMS}"
-    g = group_size
     if g & (g - 1) or g < 16 or dim % g or tile_tokens(k_bits, g) % g:
         return (f"group_size={g} must be a power of two >= 16 dividing head_dim={dim} and the fast tile of "
                 f"{tile_tokens(k_bits, g)} {k_bits}-bit key tokens")
     return None
-
-
-def decode_attention(query: torch.Tensor, key_stream, value_stream, scaling: float, num_splits: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of query [B, Hq, 1, D] over everything the two ``KVStream``s hold. Returns [B, Hq, 1, D]."""
-    reason = unsupported(query, key_stream, value_stream)
-    if reason:
-        raise ValueError(f"decode_attention: {reason}")
-    if key_stream.n_sink != value_stream.n_sink or key_stream.lengths != value_stream.lengths:
-        raise ValueError("decode_attention: key and value streams hold different token counts")
-    g = key_stream.group_size
-    if any(n % g for n in key_stream.n_quant):
-        raise ValueError(f"decode_attention: quantized key counts {key_stream.n_quant} must be multiples of group_size={g}")
-    after_sink = [q + r for q, r in zip(key_stream.n_quant, key_stream.n_resid)]
-    counts = torch.tensor([key_stream.n_sink, key_stream.n_quant, value_stream.n_quant, after_sink], dtype=torch.int32)
-    batch, kv_heads = key_stream.resid.shape[:2]
-    if num_splits is None:
-        num_splits = default_num_splits(batch, kv_heads, max(after_sink), key_stream.bits, g, query.device)
-    kq, vq = key_stream.packed, value_stream.packed
-    return decode_attention_tensors(
-        query, key_stream.sink, kq.codes, kq.scale, kq.zero, key_stream.resid,
-        value_stream.sink, vq.codes, vq.scale, vq.zero, value_stream.resid, counts.to(query.device),
-        key_stream.bits, value_stream.bits, g, scaling, num_splits, out,
-    )

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton import round_to
+from kivi.config import KiviConfig
 from kivi.quant import Quantized, allocate, codes_per_word, packed_shapes
 
 # Adding 2^23 to a float32 in [0, 2^22) rounds it to an integer, ties to even (torch.round's rule), and leaves
@@ -244,20 +245,24 @@ def _flush_kernel(
 
 
 def flush_step(key_resid: torch.Tensor, value_ring: torch.Tensor, keys: Quantized, values: Quantized,
-               positions: torch.Tensor, k_bits: int, v_bits: int, group_size: int) -> None:
+               positions: torch.Tensor, config: KiviConfig) -> None:
     """KIVI's flush after a decode step appended the token at ``positions`` (int32 [B]) of every sequence.
 
-    Keys: when the residual (``key_resid`` [B, H, KB, D], position i in row i % KB) is full, its KB tokens are
-    quantized per channel at rows of their positions. Values: the window holds R = value_ring.shape[2] - 1
-    tokens; the one that leaves it (position - R) is quantized per token. Every index is read on the device,
-    so a CUDA graph can capture the call.
+    Keys: when the residual (``key_resid`` [B, H, KB, D], position i in row i % KB, KB = ``config.keys.block``)
+    is full, its KB tokens are quantized per channel at rows of their positions. Values: the ring
+    (``value_ring`` [B, H, R + 1, D], R = ``config.values.window``) holds the window and the step's token; the
+    one that leaves the window (position - R) is quantized per token. Every index is read on the device, so a
+    CUDA graph can capture the call.
     """
     batch, heads, key_block, dim = key_resid.shape
+    if (key_block, value_ring.shape[2]) != (config.keys.block, config.values.window + 1):
+        raise ValueError(f"flush_step: key residual and value ring need {config.keys.block} and "
+                         f"{config.values.window + 1} rows for {config.name}, got {key_block} and {value_ring.shape[2]}")
     _flush_kernel[(batch * heads,)](
         key_resid, value_ring, keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero, positions,
         heads, keys.codes.shape[2], values.codes.shape[2],
-        HEAD_DIM=dim, BITS_K=k_bits, BITS_V=v_bits, GROUP=group_size, KEY_BLOCK=key_block,
-        WINDOW=value_ring.shape[2] - 1, RECIPROCAL=key_resid.device.type == "cuda", num_warps=4,
+        HEAD_DIM=dim, BITS_K=config.k_bits, BITS_V=config.v_bits, GROUP=config.group_size, KEY_BLOCK=config.keys.block,
+        WINDOW=config.values.window, RECIPROCAL=key_resid.device.type == "cuda", num_warps=4,
     )
 
 

@@ -7,7 +7,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kivi.attention import attention_over_cache
+from kivi import backend
 from kivi.config import KiviConfig, KiviConfigError
 from kivi.quant import codes_per_word
 from kivi.stream import KVStream
@@ -28,9 +28,7 @@ class KiviLayer(CacheLayerMixin):
     def __init__(self, config: KiviConfig, use_kernels: bool = True):
         super().__init__()
         self.config, self.use_kernels = config, use_kernels
-        g, r, s = config.group_size, config.residual_length, config.sink_tokens
-        self.key_stream = KVStream(config.k_bits, g, r, config.key_axis, s)
-        self.value_stream = KVStream(config.v_bits, g, r, config.value_axis, s)
+        self.key_stream, self.value_stream = KVStream(config.keys), KVStream(config.values)
         self.seen_tokens = 0  # including padding: the position frame transformers counts in
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -60,13 +58,11 @@ class KiviLayer(CacheLayerMixin):
         self.value_stream.append(values, valid)
         if first_step:  # nothing cached before: exact attention over the prompt, padding masked as usual
             out, _ = sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling)
-        elif self.use_kernels and query.is_cuda and _fused_decode_unsupported(query, self.key_stream, self.value_stream) is None:
-            from kernels.decode_attention import decode_attention
-
-            out = decode_attention(query, self.key_stream, self.value_stream, scaling).transpose(1, 2)
+        elif self.use_kernels and query.is_cuda and backend.unsupported(self.config, query.shape) is None:
+            out = backend.decode_attention(query, self.key_stream, self.value_stream, scaling).transpose(1, 2)
         else:
             lengths = torch.tensor(self.key_stream.lengths, device=query.device)
-            out = attention_over_cache(
+            out = backend.oracle_attention(
                 query, self.key_stream.materialize(), self.value_stream.materialize(), lengths, scaling
             ).transpose(1, 2)
         self.key_stream.flush()
@@ -147,12 +143,6 @@ def check_fits_model(config: KiviConfig, text: PretrainedConfig) -> None:
                 )
             if bits < 16 and axis == "token" and head_dim % codes_per_word(bits):
                 raise KiviConfigError(f"head_dim={head_dim} must be a multiple of {codes_per_word(bits)} for {bits}-bit {stream}s")
-
-
-def _fused_decode_unsupported(query: torch.Tensor, key_stream: KVStream, value_stream: KVStream) -> str | None:
-    from kernels.decode_attention import unsupported  # imported on CUDA only: Triton stays off the CPU path
-
-    return unsupported(query, key_stream, value_stream)
 
 
 def _real_tokens(attention_mask, step_len: int, allow_padding: bool) -> torch.Tensor | None:

@@ -61,6 +61,14 @@ class KiviConfig:
         return dataclasses.replace(self, layer_overrides={}, **self.layer_overrides.get(layer_idx, {}))
 
     @property
+    def keys(self) -> StreamConfig:
+        return StreamConfig(self.k_bits, self.group_size, self.residual_length, self.key_axis, self.sink_tokens)
+
+    @property
+    def values(self) -> StreamConfig:
+        return StreamConfig(self.v_bits, self.group_size, self.residual_length, self.value_axis, self.sink_tokens)
+
+    @property
     def name(self) -> str:
         """Stable short name used as the `cache` column of results, e.g. ``kivi-k2v2-g32-r128``."""
         parts = [f"kivi-k{self.k_bits}v{self.v_bits}-g{self.group_size}-r{self.residual_length}"]
@@ -76,11 +84,58 @@ class KiviConfig:
         return "-".join(parts)
 
     @classmethod
+    def from_streams(cls, keys: StreamConfig, values: StreamConfig) -> KiviConfig:
+        """The layer configuration of a key and a value stream."""
+        shared = ("group_size", "residual_length", "sink_tokens")
+        if any(getattr(keys, f) != getattr(values, f) for f in shared):
+            raise KiviConfigError(f"key and value streams must share {', '.join(shared)}: {keys} vs {values}")
+        return cls(k_bits=keys.bits, v_bits=values.bits, group_size=keys.group_size, residual_length=keys.residual_length,
+                   key_axis=keys.axis, value_axis=values.axis, sink_tokens=keys.sink_tokens)
+
+    @classmethod
     def from_name(cls, name: str) -> KiviConfig:
         """A named preset: see ``PRESETS``."""
         if name not in PRESETS:
             raise KiviConfigError(f"unknown KIVI preset {name!r}{did_you_mean(name, PRESETS)}; presets: {', '.join(PRESETS)}")
         return cls(**PRESETS[name])
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """One stream (the keys or the values) of a layer, and KIVI's flush rule for it, written here once.
+
+    Grouped along tokens (``axis="channel"``, KIVI's keys), the residual flushes in blocks of ``block`` = R
+    tokens (G when R = 0: a group needs G tokens). Grouped along channels (``axis="token"``, values), the
+    residual is a window of the newest R tokens and every token that leaves it is quantized.
+    """
+
+    bits: int
+    group_size: int
+    residual_length: int
+    axis: str
+    sink_tokens: int = 0
+
+    @property
+    def quantizes(self) -> bool:
+        return self.bits < 16
+
+    @property
+    def block(self) -> int:
+        """Tokens a per-channel stream quantizes at once."""
+        return self.residual_length or self.group_size
+
+    @property
+    def window(self) -> int:
+        """Newest tokens a per-token stream keeps in full precision."""
+        return self.residual_length
+
+    def quantized(self, tokens):
+        """How many of ``tokens`` stored tokens (after the sinks; an int or an integer tensor) sit quantized once
+        the flush rule has run; on a residual of ``tokens``, how many of them the flush quantizes."""
+        if self.axis == "channel":
+            return tokens // self.block * self.block
+        over = tokens - self.window
+        return over.clamp(min=0) if hasattr(over, "clamp") else max(over, 0)
 
 
 PRESETS: dict[str, dict[str, Any]] = {

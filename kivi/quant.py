@@ -37,6 +37,14 @@ class Quantized(NamedTuple):
     zero: torch.Tensor  # model dtype, one per group
 
 
+class StreamBuffers(NamedTuple):
+    """One stream as a decode kernel reads it: sinks, the packed quantized segment, the full-precision residual."""
+
+    sink: torch.Tensor  # [B, H, S, D] model dtype
+    packed: Quantized
+    resid: torch.Tensor  # [B, H, rows, D] model dtype
+
+
 def codes_per_word(bits: int) -> int:
     return WORD_BITS // bits
 

@@ -4,7 +4,8 @@ Each sequence of the batch is stored without its padding, starting at index 0, s
 flushes follow the sequence's own token count: a sequence in a padded batch is stored exactly as if it ran
 alone. Per sequence the tokens are, in order: ``n_sink`` sinks, ``n_quant`` quantized, ``n_resid`` residual.
 
-Flush rules (KIVI Algorithm 1 and its reference implementation), applied after each forward step:
+Flush rules (KIVI Algorithm 1 and its reference implementation; ``kivi.config.StreamConfig`` holds them),
+applied after each forward step:
 - grouped along tokens (``axis="channel"``, keys): when the residual holds R tokens, all R are quantized at
   once; after a prefill of T tokens, floor(T / R) * R are quantized and T mod R stay in the residual.
 - grouped along channels (``axis="token"``, values): the residual is a window of the newest R tokens;
@@ -17,14 +18,16 @@ from __future__ import annotations
 
 import torch
 
-from kivi.quant import GROUP_DIM, Quantized, allocate, codes_per_word, dequantize, quantize
+from kivi import backend
+from kivi.config import StreamConfig
+from kivi.quant import GROUP_DIM, Quantized, StreamBuffers, allocate, codes_per_word, dequantize
 
 
 class KVStream:
-    def __init__(self, bits: int, group_size: int, residual_length: int, axis: str, sink_tokens: int):
-        self.bits, self.group_size, self.residual_length = bits, group_size, residual_length
-        self.axis, self.sink_tokens = axis, sink_tokens
-        self.dim = GROUP_DIM[axis]
+    def __init__(self, config: StreamConfig):
+        self.config = config
+        self.bits, self.group_size, self.axis, self.sink_tokens = config.bits, config.group_size, config.axis, config.sink_tokens
+        self.dim = GROUP_DIM[config.axis]
         self.n_sink: list[int] = []
         self.n_quant: list[int] = []
         self.n_resid: list[int] = []
@@ -36,7 +39,11 @@ class KVStream:
 
     @property
     def quantizes(self) -> bool:
-        return self.bits < 16
+        return self.config.quantizes
+
+    @property
+    def buffers(self) -> StreamBuffers:
+        return StreamBuffers(self.sink, self.packed, self.resid)
 
     @property
     def lengths(self) -> list[int]:
@@ -66,7 +73,7 @@ class KVStream:
         if not self.quantizes:
             return
         for b, n_resid in enumerate(self.n_resid):
-            n = self._tokens_to_flush(n_resid)
+            n = self.config.quantized(n_resid)
             if n == 0:
                 continue
             q = self._quantize(self.resid[b : b + 1, :, :n])
@@ -77,14 +84,7 @@ class KVStream:
             self.n_resid[b] -= n
 
     def _quantize(self, x: torch.Tensor) -> Quantized:
-        return quantize_on_device(x, self.bits, self.group_size, self.axis)
-
-    def _tokens_to_flush(self, n_resid: int) -> int:
-        g, r = self.group_size, self.residual_length
-        if self.axis == "channel":
-            block = r or g
-            return n_resid // block * block
-        return max(n_resid - r, 0)
+        return backend.quantize(x, self.config)
 
     def _allocate(self, x: torch.Tensor) -> None:
         batch, heads, _, dim = x.shape
@@ -169,15 +169,6 @@ class KVStream:
         if not quant:
             return full
         return full + quant * self.bits // 8 + 2 * quant // self.group_size * item
-
-
-def quantize_on_device(x: torch.Tensor, bits: int, group_size: int, axis: str) -> Quantized:
-    """kivi.quant.quantize along ``axis``; on CUDA by the fused kernel (same codes), which takes power-of-two groups."""
-    if x.is_cuda and not group_size & (group_size - 1):
-        from kernels.quantize import quantize as fused_quantize
-
-        return fused_quantize(x, bits, group_size, axis)
-    return quantize(x, bits, group_size, GROUP_DIM[axis])
 
 
 def round_up(n: int, multiple: int) -> int:

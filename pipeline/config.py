@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from kivi import KiviConfig, KiviConfigError
 from kivi.config import did_you_mean
-from kivi.static_cache import static_unsupported
+from kivi.slot_cache import slot_unsupported
 from pipeline.archive import FP16
 from pipeline.archive_root import ArchiveLocationError, open_root
 from pipeline.errors import InputError, read_yaml, validation_problem
@@ -184,7 +184,7 @@ def _check(config: RunConfig, path: Path) -> None:
         if workload.kind == "throughput":
             sweeps.append(name)
     for cache, kivi in config.kivi_configs().items():
-        if sweeps and kivi is not None and (reason := static_unsupported(kivi)):
+        if sweeps and kivi is not None and (reason := slot_unsupported(kivi)):
             fail("caches", ValueError(f"{cache} cannot run the {sweeps[0]} sweep on the static decode engine: {reason}"))
     if config.gate is not None:
         if not config.gate.is_file():

@@ -1,6 +1,6 @@
 """Continuous batching on a static cache: the one generation engine for every workload, fp16 or KIVI.
 
-A call holds a fixed number of slots in one ``StaticCache`` (KIVI or the model dtype) and a queue of waiting
+A call holds a fixed number of slots in one ``SlotCache`` (KIVI or the model dtype) and a queue of waiting
 sequences, longest first (prompt + new tokens: the longest start early instead of running alone at the end):
 
 1. admission: each free slot takes the next waiting sequence. Its prompt runs through the stock model (exact
@@ -32,7 +32,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kivi import KiviConfig
 from kivi.cache import FP16_BYTES
-from kivi.static_cache import StaticCache
+from kivi.slot_cache import SlotCache
 from pipeline.decode_step import DecodeStep
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class DecodeEngine:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         capacity = max(len(s.prompt) + s.max_new_tokens - 1 for s in sequences)  # the last token is never stored
-        cache = StaticCache(self.model.config, min(slots, len(sequences)), capacity, self.dtype, self.device, kivi)
+        cache = SlotCache(self.model.config, min(slots, len(sequences)), capacity, self.dtype, self.device, kivi)
         batch = _Batch(self, cache, sequences, sync_every or self.sync_every)
         completions = batch.run()
         return DecodeRun(completions, batch.prefill_s, batch.decode_s, batch.capture_s, batch.steps, cache.state.batch,
@@ -136,7 +136,7 @@ class _Prefill:
 class _Batch:
     """The state of one ``DecodeEngine.generate`` call."""
 
-    def __init__(self, engine: DecodeEngine, cache: StaticCache, sequences: list[Sequence], sync_every: int):
+    def __init__(self, engine: DecodeEngine, cache: SlotCache, sequences: list[Sequence], sync_every: int):
         self.engine, self.cache, self.sequences, self.sync_every = engine, cache, sequences, sync_every
         device, slots = engine.device, cache.state.batch
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each step's input, then its output

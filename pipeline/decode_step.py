@@ -1,4 +1,4 @@
-"""One decode step of a stock transformers decoder over a StaticCache, with fixed shapes for a CUDA graph.
+"""One decode step of a stock transformers decoder over a SlotCache, with fixed shapes for a CUDA graph.
 
 ``transformers.generate`` spends most of a decode step in Python (tens of ms per step for a 7B model at any
 batch). Here a step walks the model's own modules: embeddings and rotary tables, then per layer the input
@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kivi.cache import mixed_layer_types
-from kivi.static_cache import StaticCache
+from kivi.slot_cache import SlotCache
 
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
@@ -70,7 +70,7 @@ class DecodeStep:
         wrap = torch.compile if compile_steps else (lambda fn: fn)
         self._enter, self._between, self._exit = wrap(_enter), wrap(_between), wrap(_exit)
 
-    def step(self, cache: StaticCache, tokens: torch.Tensor) -> None:
+    def step(self, cache: SlotCache, tokens: torch.Tensor) -> None:
         """One decode step for every slot: tokens [B] in, the next greedy tokens written back into it."""
         base, layers = self.base, self.layers
         hidden, rotary, (q, k, v) = self._enter(base.embed_tokens, base.rotary_emb, layers[0], tokens,
@@ -83,7 +83,7 @@ class DecodeStep:
                 tokens.copy_(self._exit(layer, base.norm, self.model.lm_head, hidden, attn))
         cache.advance()
 
-    def capture(self, cache: StaticCache, tokens: torch.Tensor) -> torch.cuda.CUDAGraph:
+    def capture(self, cache: SlotCache, tokens: torch.Tensor) -> torch.cuda.CUDAGraph:
         """Warm up, then capture one step. The warm-up step (it compiles the kernels and sets up cuBLAS) writes only
         what the first real step rewrites; a second one would overwrite value-ring rows that step still reads."""
         device = tokens.device

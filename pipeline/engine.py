@@ -14,7 +14,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from kivi import KiviCache, KiviConfig, enable_kivi
 from kivi.cache import model_head_dim
 from kivi.fidelity import chunked_logprobs, compare
-from kivi.static_cache import static_unsupported
+from kivi.slot_cache import slot_unsupported
 from pipeline.decode_engine import DecodeEngine, DecodeRun, Sequence
 from pipeline.decode_step import unsupported
 from pipeline.workloads import Request, render_prompt
@@ -39,7 +39,7 @@ def new_cache(model: PreTrainedModel, kivi: KiviConfig | None):
 def fallback_reason(model: PreTrainedModel, kivi: KiviConfig | None) -> str | None:
     """Why generations under ``kivi`` go through transformers.generate instead of the decode engine (None: they do
     not). ``model`` may live on the meta device: a driver decides before any weights load."""
-    return unsupported(model) or (static_unsupported(kivi) if kivi is not None else None)
+    return unsupported(model) or (slot_unsupported(kivi) if kivi is not None else None)
 
 
 def fp16_bytes(model: PreTrainedModel, tokens: int) -> int:

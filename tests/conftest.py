@@ -1,10 +1,31 @@
-"""Shared fixtures: the offline data folder, the real small model and an S3 server."""
+"""Shared fixtures: the offline data folder, the real small model and an S3 server. Triton kernels run on the CPU
+through Triton's interpreter unless a GPU is present: set here, before any test module imports kivi (whose
+caches import the kernels)."""
 
 import os
 from pathlib import Path
 
-import pytest
-from s3_server import seaweedfs
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+
+import pytest  # noqa: E402
+import triton.runtime.interpreter as _interpreter  # noqa: E402
+from s3_server import seaweedfs  # noqa: E402
+
+_patch_lang_tensor = _interpreter._patch_lang_tensor
+
+
+def _patch_with_numpy2_index(tensor, scope):
+    """The interpreter holds scalars as 1-element arrays and converts loop bounds with int(array), which
+    NumPy >= 2.3 refuses for arrays of 1 dimension; convert with .item() instead."""
+    _patch_lang_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+
+_interpreter._patch_lang_tensor = _patch_with_numpy2_index
+
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

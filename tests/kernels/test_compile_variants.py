@@ -17,6 +17,7 @@ import kernels.dense_decode as dense_module
 import kernels.quantize as quantize_module
 from kernels.data import fill_streams, outlier_kv
 from kernels.sass import Launches, compile_key
+from kivi import backend
 from kivi.config import KiviConfig
 from kivi.quant import allocate
 
@@ -44,7 +45,7 @@ def test_decode_attention_compiles_once_per_split_mode(record):
         key_stream, value_stream = fill_streams(keys, values, lengths, config)
         query = torch.randn(len(lengths), 4, 1, 64, generator=gen).half()
         for num_splits in (1, 2, 3, 5, 16):
-            decode_module.decode_attention(query, key_stream, value_stream, 0.125, num_splits=num_splits)
+            backend.decode_attention(query, key_stream, value_stream, 0.125, num_splits=num_splits)
             merged_splits += [num_splits] if num_splits > 1 else []
     keys = decode()
     assert len(keys) == 20 and len(set(keys)) == 2  # one split, or several (partials + merge)
@@ -85,6 +86,7 @@ def test_flush_compiles_once_per_configuration(record):
         key_resid = torch.randn(batch, heads, group, dim).half()
         value_ring = torch.randn(batch, heads, window + 1, dim).half()
         positions = torch.tensor([capacity - 1, capacity // 2], dtype=torch.int32)
-        quantize_module.flush_step(key_resid, value_ring, keys, values, positions, 2, 2, group)
+        quantize_module.flush_step(key_resid, value_ring, keys, values, positions,
+                                   KiviConfig(k_bits=2, v_bits=2, group_size=group, residual_length=window))
     keys = flush()
     assert len(keys) == 5 and len(set(keys)) == 1

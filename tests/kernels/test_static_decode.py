@@ -1,4 +1,4 @@
-"""StaticCache decode steps on the kernels (dense decode, KIVI decode over the value ring, the flush kernel)
+"""SlotCache decode steps on the kernels (dense decode, KIVI decode over the value ring, the flush kernel)
 against the same steps on the kivi/ oracle, from prompts of ragged lengths through several flushes."""
 
 import pytest
@@ -9,7 +9,7 @@ from kernels.data import outlier_kv, relative_error
 from kernels.dense_decode import dense_decode_attention
 from kivi.attention import attention_over_cache
 from kivi.config import KiviConfig
-from kivi.static_cache import StaticCache
+from kivi.slot_cache import SlotCache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = 1e-3
@@ -33,7 +33,7 @@ def twin_caches(kivi, heads, gen):
     lengths = torch.tensor(LENGTHS)
     caches = []
     for use_kernels in (True, False):
-        cache = StaticCache(config, len(LENGTHS), max(LENGTHS) + STEPS, torch.float16, DEVICE, kivi, use_kernels)
+        cache = SlotCache(config, len(LENGTHS), max(LENGTHS) + STEPS, torch.float16, DEVICE, kivi, use_kernels)
         cache.load(torch.arange(len(LENGTHS)), [(keys, values)], lengths)
         caches.append(cache)
     return caches
@@ -78,6 +78,6 @@ def test_static_cache_rejects_what_it_cannot_hold():
     config = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
                          num_hidden_layers=2, intermediate_size=16, vocab_size=16)
     with pytest.raises(ValueError, match="sink_tokens=4.*set sink_tokens: 0"):
-        StaticCache(config, 1, 64, torch.float16, DEVICE, KiviConfig(sink_tokens=4))
+        SlotCache(config, 1, 64, torch.float16, DEVICE, KiviConfig(sink_tokens=4))
     with pytest.raises(ValueError, match=r"k_bits/v_bits=16.*layer_overrides\[1\]"):
-        StaticCache(config, 1, 64, torch.float16, DEVICE, KiviConfig(layer_overrides={1: {"k_bits": 16}}))
+        SlotCache(config, 1, 64, torch.float16, DEVICE, KiviConfig(layer_overrides={1: {"k_bits": 16}}))

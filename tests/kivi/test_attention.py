@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from kivi.attention import attention_over_cache
+from kivi.config import StreamConfig
 from kivi.stream import KVStream
 
 
@@ -10,8 +11,8 @@ def _filled_streams(lengths, kv_heads, dim, q_len, seed):
     """Key/value streams holding ragged sequences (left-padded prefill, then q_len decode tokens)."""
     g = torch.Generator().manual_seed(seed)
     longest = max(lengths)
-    keys = KVStream(2, 32, 32, "channel", sink_tokens=2)
-    values = KVStream(2, 32, 32, "token", sink_tokens=2)
+    keys = KVStream(StreamConfig(2, 32, 32, "channel", sink_tokens=2))
+    values = KVStream(StreamConfig(2, 32, 32, "token", sink_tokens=2))
     valid = torch.arange(longest)[None] >= torch.tensor([longest - n for n in lengths])[:, None]
     for stream in (keys, values):
         x = torch.randn(len(lengths), kv_heads, longest, dim, generator=g)

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from kivi.config import StreamConfig
 from kivi.stream import KVStream
 
 HEADS, DIM = 2, 64
@@ -22,7 +23,7 @@ def _expected(n, axis, group, residual):
 @pytest.mark.parametrize("axis", ["channel", "token"])
 @pytest.mark.parametrize("prefill, group, residual", [(1, 32, 128), (300, 32, 128), (256, 32, 128), (97, 16, 32), (50, 32, 0), (130, 32, 32)])
 def test_lengths_follow_the_flush_rules_after_prefill_and_every_decode_step(axis, prefill, group, residual):
-    stream = KVStream(2, group, residual, axis, sink_tokens=0)
+    stream = KVStream(StreamConfig(2, group, residual, axis, sink_tokens=0))
     stream.append(_tokens(prefill), None)
     stream.flush()
     assert (stream.n_quant[0], stream.n_resid[0]) == _expected(prefill, axis, group, residual)
@@ -33,7 +34,7 @@ def test_lengths_follow_the_flush_rules_after_prefill_and_every_decode_step(axis
 
 
 def test_keys_are_quantized_all_at_once_when_the_residual_reaches_r():
-    stream = KVStream(2, 32, 128, "channel", sink_tokens=0)
+    stream = KVStream(StreamConfig(2, 32, 128, "channel", sink_tokens=0))
     stream.append(_tokens(127), None)
     stream.flush()
     assert (stream.n_quant[0], stream.n_resid[0]) == (0, 127)
@@ -44,7 +45,7 @@ def test_keys_are_quantized_all_at_once_when_the_residual_reaches_r():
 
 def test_sink_tokens_stay_full_precision_and_the_rules_apply_after_them():
     x = _tokens(200)
-    stream = KVStream(2, 32, 32, "token", sink_tokens=4)
+    stream = KVStream(StreamConfig(2, 32, 32, "token", sink_tokens=4))
     stream.append(x, None)
     stream.flush()
     assert (stream.n_sink[0], stream.n_quant[0], stream.n_resid[0]) == (4, 164, 32)
@@ -55,7 +56,7 @@ def test_sink_tokens_stay_full_precision_and_the_rules_apply_after_them():
 
 
 def test_sixteen_bits_never_quantize():
-    stream = KVStream(16, 32, 128, "channel", sink_tokens=0)
+    stream = KVStream(StreamConfig(16, 32, 128, "channel", sink_tokens=0))
     x = _tokens(500)
     stream.append(x, None)
     stream.flush()
@@ -69,11 +70,11 @@ def test_a_padded_sequence_is_stored_exactly_as_if_it_ran_alone(axis):
     padded = _tokens(200, batch=3)
     valid = torch.arange(200)[None, :] >= torch.tensor([200 - n for n in lengths])[:, None]  # left padding
     padded[~valid[:, None, :, None].expand_as(padded)] = 1e4  # padding must never reach min/max
-    batch = KVStream(2, 32, 32, axis, sink_tokens=0)
+    batch = KVStream(StreamConfig(2, 32, 32, axis, sink_tokens=0))
     batch.append(padded, valid)
     batch.flush()
     for b, n in enumerate(lengths):
-        alone = KVStream(2, 32, 32, axis, sink_tokens=0)
+        alone = KVStream(StreamConfig(2, 32, 32, axis, sink_tokens=0))
         alone.append(padded[b : b + 1, :, 200 - n :], None)
         alone.flush()
         assert (batch.n_quant[b], batch.n_resid[b]) == (alone.n_quant[0], alone.n_resid[0])
@@ -84,7 +85,7 @@ def test_a_padded_sequence_is_stored_exactly_as_if_it_ran_alone(axis):
 @pytest.mark.parametrize("bits", [2, 4, 8, 16])
 def test_nbytes_is_codes_plus_scales_plus_zeros_plus_residual(bits):
     n, group, residual = 300, 32, 128
-    stream = KVStream(bits, group, residual, "channel", sink_tokens=0)
+    stream = KVStream(StreamConfig(bits, group, residual, "channel", sink_tokens=0))
     stream.append(_tokens(n, batch=2).to(torch.bfloat16), None)
     stream.flush()
     quant = (n // residual * residual if bits < 16 else 0) * HEADS * DIM * 2  # elements, both sequences
@@ -94,7 +95,7 @@ def test_nbytes_is_codes_plus_scales_plus_zeros_plus_residual(bits):
 
 @pytest.mark.parametrize("axis", ["channel", "token"])
 def test_the_incremental_view_equals_one_rebuilt_from_the_packed_storage(axis):
-    stream = KVStream(2, 32, 64, axis, sink_tokens=3)
+    stream = KVStream(StreamConfig(2, 32, 64, axis, sink_tokens=3))
     stream.append(_tokens(70, batch=2), None)
     stream.flush()
     stream.materialize()  # from here on the view is updated at each append and flush

@@ -1,4 +1,4 @@
-"""StaticCache: preallocated KIVI (or 16-bit) buffers for a decode loop that a CUDA graph can capture.
+"""SlotCache: preallocated KIVI (or 16-bit) buffers for a decode loop that a CUDA graph can capture.
 
 Every buffer is sized at construction for a number of slots and a capacity per slot; per slot only one count
 lives on the device, ``positions`` (tokens stored before the current step), and a flag, ``active`` (whether a
@@ -23,15 +23,15 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from kivi.attention import attention_over_cache
+from kivi import backend
 from kivi.cache import check_fits_model, model_head_dim
 from kivi.config import KiviConfig, KiviConfigError
-from kivi.quant import GROUP_DIM, Quantized, allocate, codes_per_word, dequantize, quantize
-from kivi.stream import quantize_on_device, round_up
+from kivi.quant import GROUP_DIM, Quantized, StreamBuffers, allocate, codes_per_word, dequantize, quantize
+from kivi.stream import round_up
 
 
-def static_unsupported(config: KiviConfig) -> str | None:
-    """Why StaticCache cannot hold this KIVI configuration (None when it can)."""
+def slot_unsupported(config: KiviConfig) -> str | None:
+    """Why SlotCache cannot hold this KIVI configuration (None when it can)."""
     for i, layer in [(None, config)] + [(i, config.for_layer(i)) for i in config.layer_overrides]:
         where = "" if i is None else f" (layer_overrides[{i}])"
         if layer.sink_tokens:
@@ -46,7 +46,7 @@ def static_unsupported(config: KiviConfig) -> str | None:
 
 
 class StepState:
-    """What every layer of a StaticCache shares: the positions and what a step derives from them once."""
+    """What every layer of a SlotCache shares: the positions and what a step derives from them once."""
 
     def __init__(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device, use_kernels: bool):
         self.batch, self.capacity, self.dtype, self.device, self.use_kernels = batch, capacity, dtype, device, use_kernels
@@ -65,24 +65,24 @@ class StepState:
             self._derived["lengths"] = self.positions + 1
         return self._derived["lengths"]
 
-    def slots(self, key_block: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def slots(self, config: KiviConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of this step's token in the key residual and in the value ring, [B] each."""
-        key = ("slots", key_block, window)
+        key = ("slots", config.keys.block, config.values.window)
         if key not in self._derived:
-            self._derived[key] = (self.positions % key_block, self.positions % (window + 1))
+            self._derived[key] = (self.positions % config.keys.block, self.positions % (config.values.window + 1))
         return self._derived[key]
 
-    def counts(self, key_block: int, window: int) -> torch.Tensor:
-        """int32 [4, B] for kernels.decode_attention: sinks, quantized keys, quantized values, tokens."""
-        key = ("counts", key_block, window)
+    def counts(self, config: KiviConfig) -> torch.Tensor:
+        """int32 [4, B] for the decode kernel: sinks, quantized keys, quantized values, tokens."""
+        key = ("counts", config.keys.block, config.values.window)
         if key not in self._derived:
             pos = self.positions
-            self._derived[key] = torch.stack([torch.zeros_like(pos), pos // key_block * key_block,
-                                              (pos - window).clamp(min=0), pos + 1])
+            self._derived[key] = torch.stack([torch.zeros_like(pos), config.keys.quantized(pos),
+                                              config.values.quantized(pos), pos + 1])
         return self._derived[key]
 
 
-class _StaticLayer:
+class _SlotLayer:
     def __init__(self, state: StepState):
         self.state = state
 
@@ -96,7 +96,7 @@ class _StaticLayer:
                    for t in self._buffers())
 
 
-class DenseStaticLayer(_StaticLayer):
+class DenseSlotLayer(_SlotLayer):
     """Keys and values in the model dtype, [B, Hkv, capacity, D]: the fp16 baseline."""
 
     def __init__(self, state: StepState, kv_heads: int, head_dim: int):
@@ -105,9 +105,7 @@ class DenseStaticLayer(_StaticLayer):
         self.keys = torch.zeros(shape, dtype=state.dtype, device=state.device)
         self.values = torch.zeros_like(self.keys)
         if state.use_kernels:
-            from kernels.dense_decode import default_num_splits
-
-            self.num_splits = default_num_splits(state.batch, kv_heads, state.capacity, state.device)
+            self.num_splits = backend.dense_splits(state.batch, kv_heads, state.capacity, state.device)
 
     def load(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
         self.keys[rows, :, : keys.shape[2]] = keys
@@ -119,25 +117,23 @@ class DenseStaticLayer(_StaticLayer):
         self.values[index, :, pos] = value
         lengths = self.state.lengths()
         if self.state.use_kernels:
-            from kernels.dense_decode import dense_decode_attention
-
-            return dense_decode_attention(query, self.keys, self.values, lengths, scaling, self.num_splits)
+            return backend.dense_attention(query, self.keys, self.values, lengths, scaling, self.num_splits)
         longest = int(lengths.max())  # the oracle reads what is stored, not the whole capacity
-        return attention_over_cache(query, self.keys[:, :, :longest].float(), self.values[:, :, :longest].float(),
+        return backend.oracle_attention(query, self.keys[:, :, :longest].float(), self.values[:, :, :longest].float(),
                                     lengths, scaling)
 
     def _buffers(self):
         return (self.keys, self.values)
 
 
-class KiviStaticLayer(_StaticLayer):
+class KiviSlotLayer(_SlotLayer):
     """Packed codes, scales and zeros for the whole capacity, a key residual of KB rows, a value ring of R + 1."""
 
     def __init__(self, state: StepState, config: KiviConfig, kv_heads: int, head_dim: int):
         super().__init__(state)
         self.config = config
-        g, r = config.group_size, config.residual_length
-        self.key_block, self.window = r or g, r
+        g = config.group_size
+        self.key_block, self.window = config.keys.block, config.values.window
         batch, capacity, dtype, device = state.batch, state.capacity, state.dtype, state.device
         key_tokens = round_up(capacity, self.key_block)
         self.keys = allocate((batch, kv_heads, key_tokens, head_dim), config.k_bits, g, config.key_axis, dtype, device)
@@ -146,10 +142,10 @@ class KiviStaticLayer(_StaticLayer):
         self.value_ring = torch.zeros(batch, kv_heads, self.window + 1, head_dim, dtype=dtype, device=device)
         self.view: torch.Tensor | None = None  # oracle path: float32 [2, B, Hkv, capacity, D], keys then values
         if state.use_kernels:
-            from kernels.decode_attention import default_num_splits
-
-            self.no_sinks = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
-            self.num_splits = default_num_splits(batch, kv_heads, capacity, config.k_bits, g, device)
+            no_sinks = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
+            self.key_buffers = StreamBuffers(no_sinks, self.keys, self.key_resid)
+            self.value_buffers = StreamBuffers(no_sinks, self.values, self.value_ring)
+            self.num_splits = backend.decode_splits(batch, kv_heads, capacity, config, device)
 
     def load(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
         """Store prompts: keys/values [b, Hkv, T, D] right-padded, sequence j real at [0, lengths[j]).
@@ -159,17 +155,17 @@ class KiviStaticLayer(_StaticLayer):
         """
         cfg, kb, w = self.config, self.key_block, self.window
         tokens = keys.shape[2]
-        whole = tokens // kb * kb
+        whole = cfg.keys.quantized(tokens)
         if whole:
-            q = quantize_on_device(keys[:, :, :whole], cfg.k_bits, cfg.group_size, "channel")
+            q = backend.quantize(keys[:, :, :whole], cfg.keys)
             for buf, part in zip(self.keys, q):
                 buf[rows, :, : part.shape[2]] = part
-        q = quantize_on_device(values, cfg.v_bits, cfg.group_size, "token")
+        q = backend.quantize(values, cfg.values)
         for buf, part in zip(self.values, q):
             buf[rows, :, :tokens] = part
         seq = torch.arange(len(lengths), device=keys.device)[:, None]
         # key residual row s <- position n_qk + s; value ring row s <- the position of the last R + 1 with i % (R + 1) = s
-        key_pos = lengths[:, None] // kb * kb + torch.arange(kb, device=keys.device)
+        key_pos = cfg.keys.quantized(lengths[:, None]) + torch.arange(kb, device=keys.device)
         first = lengths[:, None] - w - 1
         ring_pos = first + (torch.arange(w + 1, device=keys.device) - first) % (w + 1)
         self.key_resid[rows] = keys[seq, :, key_pos.clamp(0, tokens - 1)].transpose(1, 2)
@@ -178,7 +174,7 @@ class KiviStaticLayer(_StaticLayer):
 
     def _attend(self, query, key, value, scaling):
         index = self.state.batch_index
-        key_slot, value_slot = self.state.slots(self.key_block, self.window)
+        key_slot, value_slot = self.state.slots(self.config)
         self.key_resid[index, :, key_slot] = key
         self.value_ring[index, :, value_slot] = value
         if self.state.use_kernels:
@@ -192,29 +188,21 @@ class KiviStaticLayer(_StaticLayer):
             self.view[0, index, :, self.state.positions.long()] = key.float()
             self.view[1, index, :, self.state.positions.long()] = value.float()
         longest = int(lengths.max())
-        out = attention_over_cache(query, self.view[0, :, :, :longest], self.view[1, :, :, :longest], lengths, scaling)
+        out = backend.oracle_attention(query, self.view[0, :, :, :longest], self.view[1, :, :, :longest], lengths, scaling)
         self._flush_oracle()
         return out
 
     def _attend_kernels(self, query, scaling):
-        from kernels.decode_attention import decode_attention_tensors
-        from kernels.quantize import flush_step
-
-        cfg, pos = self.config, self.state.positions
-        counts = self.state.counts(self.key_block, self.window)
-        k, v = self.keys, self.values
-        out = decode_attention_tensors(
-            query, self.no_sinks, k.codes, k.scale, k.zero, self.key_resid,
-            self.no_sinks, v.codes, v.scale, v.zero, self.value_ring, counts,
-            cfg.k_bits, cfg.v_bits, cfg.group_size, scaling, self.num_splits, v_ring=True,
-        )
-        flush_step(self.key_resid, self.value_ring, k, v, pos, cfg.k_bits, cfg.v_bits, cfg.group_size)
+        cfg = self.config
+        out = backend.decode(query, self.key_buffers, self.value_buffers, self.state.counts(cfg), cfg, scaling,
+                             self.num_splits, v_ring=True)
+        backend.flush(self.key_resid, self.value_ring, self.keys, self.values, self.state.positions, cfg)
         return out
 
     def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored token of every sequence as attention reads it: float32 [B, Hkv, max length, D]."""
         cfg, kb, w = self.config, self.key_block, self.window
-        _, n_qk, n_qv, lengths = self.state.counts(kb, w)[:, :, None, None, None]
+        _, n_qk, n_qv, lengths = self.state.counts(cfg)[:, :, None, None, None]
         i = torch.arange(int(lengths.max()), device=lengths.device)
         from_resid = i[:, None] >= n_qk  # [B, 1, L, 1]: keys past the last full block
         from_ring = i[:, None] >= n_qv  # values inside the window
@@ -251,8 +239,8 @@ class KiviStaticLayer(_StaticLayer):
         return (*self.keys, *self.values, self.key_resid, self.value_ring)
 
 
-class StaticCache:
-    """A static cache for every layer: KIVI when ``kivi`` is given, else the model dtype (the fp16 baseline).
+class SlotCache:
+    """A slot cache for every layer: KIVI when ``kivi`` is given, else the model dtype (the fp16 baseline).
 
     ``use_kernels`` (default: on CUDA) runs the Triton kernels, which a CUDA graph can capture; off, the
     kivi/ oracle serves (it reads counts on the host).
@@ -262,7 +250,7 @@ class StaticCache:
                  device: torch.device | str, kivi: KiviConfig | None = None, use_kernels: bool | None = None):
         text = model_config.get_text_config(decoder=True)
         if kivi is not None:
-            if reason := static_unsupported(kivi):
+            if reason := slot_unsupported(kivi):
                 raise KiviConfigError(f"KiviConfig: {reason}")
             check_fits_model(kivi, text)
         device = torch.device(device)
@@ -270,8 +258,8 @@ class StaticCache:
         kv_heads = text.num_key_value_heads
         head_dim = model_head_dim(text)
         self.layers = [
-            DenseStaticLayer(self.state, kv_heads, head_dim) if kivi is None
-            else KiviStaticLayer(self.state, kivi.for_layer(i), kv_heads, head_dim)
+            DenseSlotLayer(self.state, kv_heads, head_dim) if kivi is None
+            else KiviSlotLayer(self.state, kivi.for_layer(i), kv_heads, head_dim)
             for i in range(text.num_hidden_layers)
         ]
 
@@ -292,7 +280,7 @@ class StaticCache:
         The slots become active."""
         lengths = lengths.to(device=self.state.device, dtype=torch.int32)
         if int(lengths.max()) > self.capacity:
-            raise ValueError(f"StaticCache: a prompt of {int(lengths.max())} tokens exceeds the capacity {self.capacity}")
+            raise ValueError(f"SlotCache: a prompt of {int(lengths.max())} tokens exceeds the capacity {self.capacity}")
         for layer, (keys, values) in zip(self.layers, layer_kv, strict=True):
             layer.load(rows, keys.to(self.state.dtype), values.to(self.state.dtype), lengths)
         self.positions[rows] = lengths

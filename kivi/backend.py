@@ -1,0 +1,65 @@
+"""The one seam between the caches and the kernels: every call a cache makes into kernels/ passes here.
+
+The Triton kernels serve CUDA tensors; the PyTorch oracle (kivi.quant, kivi.attention) serves the rest and
+every shape the kernels do not take (``unsupported``). Both read and write the layout of kivi.quant, so a
+cache holds the same codes whichever served it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import decode_attention as kivi_decode
+from kernels import dense_decode
+from kernels import quantize as fused_quantize
+from kivi.attention import attention_over_cache
+from kivi.config import KiviConfig, StreamConfig
+from kivi.quant import GROUP_DIM, Quantized, StreamBuffers
+from kivi.quant import quantize as quantize_oracle
+
+unsupported = kivi_decode.unsupported  # (config, query shape) -> why the fused decode cannot serve, or None
+decode_splits = kivi_decode.default_num_splits
+dense_splits = dense_decode.default_num_splits
+dense_attention = dense_decode.dense_decode_attention
+oracle_attention = attention_over_cache
+
+
+def quantize(x: torch.Tensor, stream: StreamConfig) -> Quantized:
+    """x [B, H, T, D] quantized and packed as ``stream`` says; on CUDA by the fused kernel (same codes), which
+    takes power-of-two groups."""
+    g = stream.group_size
+    if x.is_cuda and not g & (g - 1):
+        return fused_quantize.quantize(x, stream.bits, g, stream.axis)
+    return quantize_oracle(x, stream.bits, g, GROUP_DIM[stream.axis])
+
+
+def decode(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, counts: torch.Tensor, config: KiviConfig,
+           scaling: float, num_splits: int, out: torch.Tensor | None = None, v_ring: bool = False) -> torch.Tensor:
+    """The fused decode attention over one layer's buffers (see ``kernels.decode_attention.decode_attention``)."""
+    return kivi_decode.decode_attention(query, keys, values, counts, config, scaling, num_splits, out, v_ring=v_ring)
+
+
+def flush(key_resid: torch.Tensor, value_ring: torch.Tensor, keys: Quantized, values: Quantized,
+          positions: torch.Tensor, config: KiviConfig) -> None:
+    """KIVI's flush after a decode step, on the device (see ``kernels.quantize.flush_step``)."""
+    fused_quantize.flush_step(key_resid, value_ring, keys, values, positions, config)
+
+
+def decode_attention(query: torch.Tensor, key_stream, value_stream, scaling: float, num_splits: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused decode attention of query [B, Hq, 1, D] over everything two ``kivi.stream.KVStream``s hold.
+    Returns [B, Hq, 1, D]."""
+    config = KiviConfig.from_streams(key_stream.config, value_stream.config)
+    if reason := unsupported(config, query.shape):
+        raise ValueError(f"decode_attention: {reason}")
+    if key_stream.n_sink != value_stream.n_sink or key_stream.lengths != value_stream.lengths:
+        raise ValueError("decode_attention: key and value streams hold different token counts")
+    g = config.group_size
+    if any(n % g for n in key_stream.n_quant):
+        raise ValueError(f"decode_attention: quantized key counts {key_stream.n_quant} must be multiples of group_size={g}")
+    after_sink = [q + r for q, r in zip(key_stream.n_quant, key_stream.n_resid)]
+    counts = torch.tensor([key_stream.n_sink, key_stream.n_quant, value_stream.n_quant, after_sink], dtype=torch.int32)
+    if num_splits is None:
+        batch, kv_heads = key_stream.resid.shape[:2]
+        num_splits = decode_splits(batch, kv_heads, max(after_sink), config, query.device)
+    return decode(query, key_stream.buffers, value_stream.buffers, counts.to(query.device), config, scaling, num_splits, out)
