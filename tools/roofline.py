@@ -1,4 +1,4 @@
-"""Roofline of the throughput sweep's decode steps: ``python -m pipeline.roofline RUN_ID --archive DIR``.
+"""Roofline of the throughput sweep's decode steps: ``python -m tools.roofline RUN_ID --archive DIR``.
 
 For each cache's best point (highest tokens/s) of a run's sweep, what one decode step must move and compute,
 averaged over the decode: weight bytes (every matrix once), KV bytes (each sequence's stored tokens as the

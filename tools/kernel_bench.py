@@ -1,4 +1,4 @@
-"""Kernel benchmark: ``python -m kernels.bench [--json PATH] [--sweep]``.
+"""Kernel benchmark: ``python -m tools.kernel_bench [--json PATH] [--sweep]``.
 
 Decode attention for one new token per sequence, fp16 SDPA against the fused KIVI-2 and KIVI-4 kernels (and
 the static engine's fp16 kernel, ``dense ms``), at batch B and context S, for the Llama-2-7B attention shape
