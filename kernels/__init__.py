@@ -2,7 +2,7 @@
 ``kernels.decode_attention`` (fused decode attention over KVStream buffers). Import from those modules: the
 package does not re-export their functions, whose names would shadow the modules.
 
-Oracles: kivi.quant (quantization, layout) and kivi.attention (attention), via kernels.data.reference_decode.
+Oracles: kivi.quant (quantization, layout) and kivi.attention (attention), via tools.kernel_data.reference_decode.
 
 Compile variants: Triton compiles a kernel again for each new pattern of its integer arguments (equal to 1,
 divisible by 16). Arguments that follow prompt lengths, batch, split counts or buffer capacities are marked

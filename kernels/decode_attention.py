@@ -21,7 +21,7 @@ A tile's value words are loaded once, before its keys are computed, so that they
 One PTX sequence unpacks two codes into an exact fp16 pair (PRMT, LOP3 into the mantissa of 1024, HSUB2); a
 code is taken where it lies in its 16-bit half (code * 2**lift, exact) and only the codes above bit 10 need a
 shift, one per word; the power of two is undone on the fp32 results. Triton's interpreter cannot run PTX, so
-on the CPU the same values come from shifts and masks (``GPU`` off); `python -m kernels.check` covers the PTX
+on the CPU the same values come from shifts and masks (``GPU`` off); `python -m tools.kernel_check` covers the PTX
 path on the GPU.
 
 The tail (tokens after the last fast tile: residuals, partly quantized tiles) is walked in blocks of

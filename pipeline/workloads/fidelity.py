@@ -37,7 +37,7 @@ class FidelityOptions(WorkloadOptions):
 
 
 def haystack_text(data_dir: Path) -> str:
-    """The essays joined by blank lines: the text kivi.fidelity and this workload measure on."""
+    """The essays joined by blank lines: the text tools.fidelity and this workload measure on."""
     return "\n\n".join(p.read_text(encoding="utf-8") for p in essay_paths(data_dir))
 
 

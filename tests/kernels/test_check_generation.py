@@ -1,10 +1,10 @@
-"""kernels.check_generation's diagnosis of a divergence: quantized elements that differ between two caches."""
+"""tools.check_generation's diagnosis of a divergence: quantized elements that differ between two caches."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kernels.check_generation import _generate, _quantized_differences
 from kivi import enable_kivi
+from tools.check_generation import _generate, _quantized_differences
 
 
 def test_quantized_differences_sees_one_flipped_code_and_nothing_else():

@@ -15,11 +15,11 @@ import kernels._triton as triton_helpers
 import kernels.decode_attention as decode_module
 import kernels.dense_decode as dense_module
 import kernels.quantize as quantize_module
-from kernels.data import fill_streams, outlier_kv
-from kernels.sass import Launches, compile_key
 from kivi import backend
 from kivi.config import KiviConfig
 from kivi.quant import allocate
+from tools.kernel_data import fill_streams, outlier_kv
+from tools.sass import Launches, compile_key
 
 
 @pytest.fixture

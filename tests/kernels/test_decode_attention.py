@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from kernels.data import REAL_KV, fill_streams, outlier_kv, reference_decode, relative_error
 from kernels.decode_attention import code_lift, unpack_fields
 from kivi.backend import decode_attention, unsupported
 from kivi.attention import attention_over_cache
 from kivi.config import KiviConfig
+from tools.kernel_data import REAL_KV, fill_streams, outlier_kv, reference_decode, relative_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = 1e-3  # relative error of the float32 output vs the float32 oracle

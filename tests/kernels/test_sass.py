@@ -12,11 +12,11 @@ import pytest
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> dict:
-    """`python -m kernels.sass --json` in a fresh interpreter: compiling needs JIT functions, which this test
+    """`python -m tools.sass --json` in a fresh interpreter: compiling needs JIT functions, which this test
     session's TRITON_INTERPRET=1 replaces."""
     path = tmp_path_factory.mktemp("sass") / "sass.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-m", "kernels.sass", "--json", str(path)], env=env, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "tools.sass", "--json", str(path)], env=env, check=True, capture_output=True)
     return {row["case"]: row for row in json.loads(path.read_text())}
 
 

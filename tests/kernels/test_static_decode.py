@@ -5,11 +5,11 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kernels.data import outlier_kv, relative_error
 from kernels.dense_decode import dense_decode_attention
 from kivi.attention import attention_over_cache
 from kivi.config import KiviConfig
 from kivi.slot_cache import SlotCache
+from tools.kernel_data import outlier_kv, relative_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = 1e-3

@@ -2,7 +2,7 @@
 
 generate runs each prompt alone with EOS disabled (the engine ignores EOS); the engine runs them together.
 On the CPU the engine's steps run eagerly on the kivi/ oracle; the GPU run (CUDA graph, Triton kernels) is
-`python -m pipeline.bench_decode --check-model` (BENCHMARKS.md).
+`python -m tools.bench_decode --check-model` (BENCHMARKS.md).
 """
 
 import pytest

@@ -9,8 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kivi import KiviConfig
 from pipeline.engine import Engine, Generation
 from pipeline.models import load_tokenizer
-from pipeline.sdpa_determinism import agreement
 from pipeline.workloads import Request
+from tools.sdpa_determinism import agreement
 
 
 def tiny_engine() -> Engine:

@@ -3,7 +3,7 @@
 from transformers import LlamaConfig
 
 from kivi import KiviConfig
-from pipeline.roofline import kv_bytes_per_token_head, meta_model, step_cost
+from tools.roofline import kv_bytes_per_token_head, meta_model, step_cost
 
 
 def test_kv_bytes_follow_the_flush_rules():

@@ -1,4 +1,4 @@
-"""How DuckDB reads an archive in an object store: ``python -m pipeline.bench_store --archive s3://bucket/prefix``.
+"""How DuckDB reads an archive in an object store: ``python -m tools.bench_store --archive s3://bucket/prefix``.
 
 Writes ``--runs`` synthetic runs (``--shards`` shards × 3 caches of ``--rows`` requests each) under the root, then
 times one query on one run three ways: the Store (pyarrow datasets handed to DuckDB, which pushes the run_id

@@ -1,5 +1,5 @@
 """One config on Ray clusters of 1 and of N nodes on this machine, CPU actors, one archive root:
-``python -m pipeline.bench_multinode configs/smoke.yaml --archive s3://bucket/prefix --nodes 1 3``.
+``python -m tools.bench_multinode configs/smoke.yaml --archive s3://bucket/prefix --nodes 1 3``.
 
 Each cluster is `ray.cluster_utils.Cluster` (a raylet and an object store per node), each node offering
 ``--cpus // nodes`` CPUs and one ``eval_slot``, so that one actor lands on each node. The run goes to

@@ -1,4 +1,4 @@
-"""Kernel benchmark: ``python -m kernels.bench [--json PATH] [--sweep]``.
+"""Kernel benchmark: ``python -m tools.kernel_bench [--json PATH] [--sweep]``.
 
 Decode attention for one new token per sequence, fp16 SDPA against the fused KIVI-2 and KIVI-4 kernels (and
 the static engine's fp16 kernel, ``dense ms``), at batch B and context S, for the Llama-2-7B attention shape
@@ -24,9 +24,10 @@ import triton
 import triton.testing
 
 from kernels import dense_decode
-from kernels.decode_attention import decode_attention_tensors, default_num_splits
+from kernels.decode_attention import decode_attention, default_num_splits
 from kernels.quantize import quantize, quantize_into
-from kivi.quant import allocate
+from kivi.config import KiviConfig
+from kivi.quant import Quantized, StreamBuffers, allocate
 
 SHAPES = {"llama2-7b": (32, 32, 128), "gqa-32/8": (32, 8, 128)}  # query heads, KV heads, head_dim
 BATCHES = (1, 8, 32)
@@ -68,25 +69,27 @@ class DecodeCase:
         return SHAPES[self.shape]
 
 
-def kivi_args(keys: torch.Tensor, values: torch.Tensor, bits: int) -> dict:
-    """KVStream-layout buffers of these K/V as KiviLayer holds them while it attends to the newest token:
-    keys flushed in blocks of R with 1..R in the residual, values with a window of R + 1."""
+def kivi_config(bits: int) -> KiviConfig:
+    return KiviConfig(k_bits=bits, v_bits=bits, group_size=GROUP, residual_length=RESIDUAL)
+
+
+def kivi_args(keys: torch.Tensor, values: torch.Tensor, config: KiviConfig) -> tuple[StreamBuffers, StreamBuffers, torch.Tensor]:
+    """(key buffers, value buffers, counts) of these K/V as KiviLayer holds them while it attends to the newest token:
+    the flush rule has run over the tokens before it."""
     batch, kv_heads, tokens, dim = keys.shape
-    n_rk = (tokens - 1) % RESIDUAL + 1
-    n_rv = min(tokens, RESIDUAL + 1)
-    kq = quantize(keys[:, :, : tokens - n_rk], bits, GROUP, "channel")
-    vq = quantize(values[:, :, : tokens - n_rv], bits, GROUP, "token")
-    counts = torch.tensor([[0] * batch, [tokens - n_rk] * batch, [tokens - n_rv] * batch, [tokens] * batch], dtype=torch.int32)
+    n_qk, n_qv = config.keys.quantized(tokens - 1), config.values.quantized(tokens - 1)
+    kq = quantize(keys[:, :, :n_qk], config.k_bits, GROUP, "channel")
+    vq = quantize(values[:, :, :n_qv], config.v_bits, GROUP, "token")
+    counts = torch.tensor([[0] * batch, [n_qk] * batch, [n_qv] * batch, [tokens] * batch], dtype=torch.int32)
     sink = keys.new_empty(batch, kv_heads, 0, dim)
-    return dict(
-        k_sink=sink, k_codes=kq.codes, k_scale=kq.scale, k_zero=kq.zero, k_resid=keys[:, :, tokens - n_rk :].contiguous(),
-        v_sink=sink, v_codes=vq.codes, v_scale=vq.scale, v_zero=vq.zero, v_resid=values[:, :, tokens - n_rv :].contiguous(),
-        counts=counts.cuda(), k_bits=bits, v_bits=bits, group_size=GROUP,
-    )
+    return (StreamBuffers(sink, kq, keys[:, :, n_qk:].contiguous()),
+            StreamBuffers(sink, vq, values[:, :, n_qv:].contiguous()), counts.cuda())
 
 
-def kivi_bytes(args: dict, query: torch.Tensor) -> int:
-    return sum(t.nbytes for t in args.values() if isinstance(t, torch.Tensor)) + 2 * query.nbytes
+def kivi_bytes(args: tuple, query: torch.Tensor) -> int:
+    keys, values, counts = args
+    tensors = (keys.sink, *keys.packed, keys.resid, values.sink, *values.packed, values.resid, counts)
+    return sum(t.nbytes for t in tensors) + 2 * query.nbytes
 
 
 def sdpa_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):  # -> () -> [B, Hkv, Hq/Hkv, D]
@@ -121,13 +124,16 @@ def time_kivi(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bit
               num_stages: int | None = None) -> tuple[float, int, int]:
     """(median ms, bytes, splits) of the fused kernel."""
     batch, kv_heads, tokens, dim = keys.shape
-    args = kivi_args(keys, values, bits)
-    splits = default_num_splits(batch, kv_heads, tokens, bits, GROUP, query.device, per_sm)
+    config = kivi_config(bits)
+    args = kivi_args(keys, values, config)
+    splits = default_num_splits(batch, kv_heads, tokens, config, query.device, per_sm)
     nbytes = kivi_bytes(args, query)
 
     def make(copy: bool):
-        inputs = {k: (v.clone() if copy and isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-        return lambda: decode_attention_tensors(query, **inputs, scaling=dim**-0.5, num_splits=splits, num_stages=num_stages)
+        (k, v, counts) = args
+        if copy:
+            k, v = (StreamBuffers(b.sink, Quantized(*(t.clone() for t in b.packed)), b.resid.clone()) for b in (k, v))
+        return lambda: decode_attention(query, k, v, counts, config, dim**-0.5, splits, num_stages=num_stages)
 
     return median_ms(rotated(make, nbytes)), nbytes, splits
 

@@ -5,7 +5,7 @@ Triton's launcher would specialize them there; Triton's bundled ptxas and nvdisa
 spilled bytes and the SASS. Instruction counts bound a kernel's speed where bandwidth does not: an H200 issues
 at most 4 warp-instructions per clock per multiprocessor.
 
-    python -m kernels.sass    # quantize + pack: instructions per element; decode: the fast-tile loop per token
+    python -m tools.sass    # quantize + pack: instructions per element; decode: the fast-tile loop per token
 
 Compiling needs the kernels as JIT functions: run it without TRITON_INTERPRET=1 (recording launches does not).
 """
@@ -31,9 +31,10 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import kernels.decode_attention as decode_module
 import kernels.quantize as quantize_module
-from kernels.data import fill_streams
+from kivi import backend
 from kivi.config import KiviConfig
 from kivi.quant import allocate
+from tools.kernel_data import fill_streams
 
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
@@ -134,7 +135,7 @@ def decode_report(q_heads: int, kv_heads: int, bits: int) -> tuple[Sass, list[st
     query = torch.randn(1, q_heads, 1, 128).half()
     with (mock.patch.object(decode_module, "_decode_kernel", Launches(decode_module._decode_kernel)) as launches,
           mock.patch.object(decode_module, "merge_splits")):  # nothing to merge: the splits never ran
-        decode_module.decode_attention(query, key_stream, value_stream, 0.088, num_splits=4)
+        backend.decode_attention(query, key_stream, value_stream, 0.088, num_splits=4)
     args, kwargs = launches.calls[0]
     code = disassemble(compile_sm90(launches.kernel, *args, **kwargs))
     return code, code.loops[0], len(code.loops[0]) / decode_module.tile_tokens(bits, 32)
@@ -159,7 +160,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("kernels.sass compiles for the GPU: run it without TRITON_INTERPRET=1")
+        raise SystemExit("tools.sass compiles for the GPU: run it without TRITON_INTERPRET=1")
     rows = report()
     print("quantize + pack: x fp16 [8, 32, 4096, 128], G = 32, instructions per element (one thread's share)")
     print("decode attention: head_dim 128, G = 32, R = 128, the fast-tile loop's warp-instructions per (token, KV head)")

@@ -1,6 +1,6 @@
-"""Capture real keys, values and queries of SmolLM2-135M for the kernel tests: ``python -m kernels.capture``.
+"""Capture real keys, values and queries of SmolLM2-135M for the kernel tests: ``python -m tools.capture_kv``.
 
-Writes ``kernels.data.REAL_KV`` (under 1 MiB): for a few layers, post-RoPE keys and values [L, Hkv, T, D] and
+Writes ``tools.kernel_data.REAL_KV`` (under 1 MiB): for a few layers, post-RoPE keys and values [L, Hkv, T, D] and
 the queries of the last QUERIES positions [L, Hq, QUERIES, D], all float16, from one forward pass over a fixed
 English text.
 """
@@ -13,8 +13,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kernels.data import REAL_KV
 from pipeline.models import load_model
+from tools.kernel_data import REAL_KV
 
 LAYERS = (1, 15, 29)
 TOKENS = 256

@@ -10,7 +10,7 @@ from kivi.attention import attention_over_cache
 from kivi.config import KiviConfig
 from kivi.stream import KVStream
 
-# Real SmolLM2-135M keys, values and queries (written by ``python -m kernels.capture``).
+# Real SmolLM2-135M keys, values and queries (written by ``python -m tools.capture_kv``).
 REAL_KV = Path(__file__).resolve().parent.parent / "tests" / "kernels" / "data" / "smollm2_kv.pt"
 
 

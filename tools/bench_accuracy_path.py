@@ -1,6 +1,6 @@
 """The accuracy path on the GPU: GSM8K prompts through the decode engine against transformers.generate, same run.
 
-    python -m pipeline.bench_accuracy_path --data-dir DATA --json benchmarks/DATE-accuracy-path.json
+    python -m tools.bench_accuracy_path --data-dir DATA --json benchmarks/DATE-accuracy-path.json
 
 1. ``check``: greedy tokens of the engine (CUDA graph, Triton kernels, slots refilled, long prompts chunked)
    against ``model.generate`` one prompt at a time (fp16: DynamicCache; KIVI: KiviCache on the PyTorch
@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kernels.bench import git_sha
 from kivi import KiviCache, KiviConfig, enable_kivi
 from pipeline.decode_engine import DecodeEngine, Sequence
 from pipeline.engine import Engine
 from pipeline.models import load_model
 from pipeline.workloads import get_workload, prompt_tokens
+from tools.kernel_bench import git_sha
 
 CACHES = {"fp16": None, "kivi2": KiviConfig()}
 

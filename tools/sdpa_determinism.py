@@ -4,7 +4,7 @@ PyTorch 2.11 sends masked fp16 SDPA on Hopper to cuDNN's fused attention, which 
 outputs on an H200 (BENCHMARKS.md "Multi-GPU"); the worker therefore turns it off. Re-check after a torch or
 driver upgrade (GPU):
 
-    python -m pipeline.sdpa_determinism            # random-weight Llama-2-7B, SmolLM2's tokenizer
+    python -m tools.sdpa_determinism            # random-weight Llama-2-7B, SmolLM2's tokenizer
 """
 
 from __future__ import annotations

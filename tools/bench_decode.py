@@ -1,4 +1,4 @@
-"""Decode-step benchmark of the static engine against transformers.generate: ``python -m pipeline.bench_decode``.
+"""Decode-step benchmark of the static engine against transformers.generate: ``python -m tools.bench_decode``.
 
 One run, one model (default a random-weight Llama-2-7B in fp16), the same prompts (random token ids) and
 ``--new`` greedy tokens with EOS ignored, at each ``--batch``:
@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import triton
 
-from kernels.bench import copy_bandwidth, git_sha
 from kivi import KiviConfig
 from pipeline.decode_engine import DecodeEngine
 from pipeline.models import load_model
+from tools.kernel_bench import copy_bandwidth, git_sha
 
 
 def _generate_s(model, ids: torch.Tensor, new: int, **kwargs) -> float:

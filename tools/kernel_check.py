@@ -1,4 +1,4 @@
-"""GPU correctness check at realistic sizes: ``python -m kernels.check [--json PATH]``.
+"""GPU correctness check at realistic sizes: ``python -m tools.kernel_check [--json PATH]``.
 
 The CPU tests (tests/kernels, Triton interpreter) cover odd shapes on small inputs; this runs the compiled
 kernels on the GPU against the same oracles at serving sizes, on random K/V with outlier channels and on the
@@ -13,12 +13,12 @@ import sys
 
 import torch
 
-from kernels.data import REAL_KV, fill_streams, outlier_kv, reference_decode, relative_error
-from kernels.decode_attention import decode_attention
+from kivi.backend import decode_attention
 from kernels.quantize import quantize
 from kivi.config import KiviConfig
 from kivi.quant import GROUP_DIM, unpack
 from kivi.quant import quantize as reference_quantize
+from tools.kernel_data import REAL_KV, fill_streams, outlier_kv, reference_decode, relative_error
 
 TOLERANCE = 1e-3
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -82,7 +82,7 @@ def main() -> int:
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("kernels.check needs CUDA; the CPU tests are `pytest tests/kernels`", file=sys.stderr)
+        print("tools.kernel_check needs CUDA; the CPU tests are `pytest tests/kernels`", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict] = []

@@ -1,4 +1,4 @@
-"""Roofline of the throughput sweep's decode steps: ``python -m pipeline.roofline RUN_ID --archive DIR``.
+"""Roofline of the throughput sweep's decode steps: ``python -m tools.roofline RUN_ID --archive DIR``.
 
 For each cache's best point (highest tokens/s) of a run's sweep, what one decode step must move and compute,
 averaged over the decode: weight bytes (every matrix once), KV bytes (each sequence's stored tokens as the
@@ -47,9 +47,8 @@ def kv_bytes_per_token_head(context: int, kivi: KiviConfig | None, head_dim: int
     if kivi is None:
         return 2 * context * head_dim * item
     t = context - 1  # the position this step appended
-    key_block, g = kivi.residual_length or kivi.group_size, kivi.group_size
-    n_qk, n_qv = t // key_block * key_block, max(t - kivi.residual_length, 0)
-    quantized = lambda n, bits: n * head_dim * (bits / 8 + 2 * item / g)  # codes + scale + zero
+    n_qk, n_qv = kivi.keys.quantized(t), kivi.values.quantized(t)
+    quantized = lambda n, bits: n * head_dim * (bits / 8 + 2 * item / kivi.group_size)  # codes + scale + zero
     full = (context - n_qk + context - n_qv) * head_dim * item
     return quantized(n_qk, kivi.k_bits) + quantized(n_qv, kivi.v_bits) + full
 

@@ -1,6 +1,6 @@
 """Greedy generation on a real model with the Triton path against the PyTorch oracle path (CUDA).
 
-    python -m kernels.check_generation --model SmolLM2-135M-Instruct.Q4_1.gguf --text essay.txt
+    python -m tools.check_generation --model SmolLM2-135M-Instruct.Q4_1.gguf --text essay.txt
 
 Each prompt runs twice under KIVI-2 (G = 32, R = 128): KiviCache(use_kernels=True), whose decode steps
 use kernels.decode_attention and kernels.quantize, and use_kernels=False, the kivi/ oracle. Where the
