@@ -19,6 +19,8 @@ import torch
 
 from kivi.config import KiviConfig
 from kivi.fidelity import DEFAULT_CONFIGS, measure_fidelity
+from pipeline.models import load_model
+from pipeline.workloads.fidelity import haystack_text
 
 
 def main(argv=None) -> None:
@@ -39,8 +41,6 @@ def main(argv=None) -> None:
             KiviConfig.from_name(name)
     if args.text_file is None and args.data_dir is None:
         parser.error("pass --data-dir (or set KIVI_DATA_DIR) to the shared data folder, or --text-file")
-    from pipeline.models import load_model  # the pipeline's model loader and haystack, once the arguments are checked
-    from pipeline.workloads.fidelity import haystack_text
 
     text = args.text_file.read_text() if args.text_file else haystack_text(Path(args.data_dir))
 
