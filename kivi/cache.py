@@ -117,8 +117,11 @@ def model_head_dim(text: PretrainedConfig) -> int:
 
 
 def mixed_layer_types(text: PretrainedConfig) -> list[str]:
-    """A decoder's layer types when any is not full attention (sliding window, linear …); else []."""
-    layer_types = sorted(set(getattr(text, "layer_types", None) or ["full_attention"]))
+    """A decoder's layer types when any is not full attention (sliding window, linear …); else []. A config that sets
+    ``sliding_window`` and names no layer types (Mistral's) slides on every layer: a cache that attends over every
+    stored token would differ from the model's own attention once a sequence passes the window."""
+    sliding = getattr(text, "sliding_window", None) is not None
+    layer_types = sorted(set(getattr(text, "layer_types", None) or ["sliding_attention" if sliding else "full_attention"]))
     return [] if layer_types == ["full_attention"] else layer_types
 
 

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 from kivi import KiviCache, KiviConfig, KiviConfigError, enable_kivi
 
@@ -74,6 +75,23 @@ def test_a_kivi_cache_without_enable_kivi_fails_with_a_clear_message():
     model = tiny_model("smollm2-gqa")
     with pytest.raises(RuntimeError, match="enable_kivi"):
         _greedy(model, torch.randint(1, 512, (1, 20)), KiviCache(model.config, KiviConfig()), 3)
+
+
+def test_a_sliding_window_the_cache_would_ignore_is_refused():
+    """Mistral's config slides every layer when ``sliding_window`` is set: past the window, a cache attending over
+    every stored token gives other tokens than the model's own attention (shown here), so KiviCache refuses it."""
+    config = MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = enable_kivi(MistralForCausalLM(config).eval())
+    ids = torch.randint(1, 512, (1, 40))
+    windowed = _greedy(model, ids, DynamicCache(config=config), 20)
+    model.config.sliding_window = None
+    unwindowed = _greedy(model, ids, DynamicCache(config=model.config), 20)
+    assert not torch.equal(windowed, unwindowed)
+    model.config.sliding_window = 16
+    with pytest.raises(KiviConfigError, match="sliding_attention"):
+        KiviCache(model.config, KiviConfig(k_bits=16, v_bits=16))
 
 
 def test_model_dependent_values_are_checked_when_the_cache_is_made():
