@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from pipeline.cli import run_config
+from pipeline.names import CANARY
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
@@ -17,4 +18,4 @@ if __name__ == "__main__":
     parser.add_argument("--run-id", help="resume this run")
     parser.add_argument("--archive", help="archive root shared by the cluster (default: the config's)")
     args = parser.parse_args()
-    sys.exit(run_config(args.config, args.run_id, args.archive, kind="canary", baseline_run_id=args.baseline))
+    sys.exit(run_config(args.config, args.run_id, args.archive, kind=CANARY, baseline_run_id=args.baseline))

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from pipeline.cli import run_config
+from pipeline.names import NIGHTLY
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
@@ -15,4 +16,4 @@ if __name__ == "__main__":
     parser.add_argument("--run-id", help="resume this run")
     parser.add_argument("--archive", help="archive root shared by the cluster (default: the config's)")
     args = parser.parse_args()
-    sys.exit(run_config(args.config, args.run_id, args.archive, kind="nightly"))
+    sys.exit(run_config(args.config, args.run_id, args.archive, kind=NIGHTLY))

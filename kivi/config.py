@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping
 BIT_WIDTHS = (2, 4, 8, 16)  # 16 keeps the stream in the model dtype
 AXES = ("channel", "token")
 WORD_BITS = 32  # codes are packed into int32 words (see kivi.quant)
+FP16 = "fp16"  # the name of the unquantized baseline beside the KIVI presets (results' `cache` column)
 
 
 class KiviConfigError(ValueError):

@@ -14,11 +14,11 @@ import torch
 from transformers import DynamicCache
 
 from kivi.cache import KiviCache
-from kivi.config import KiviConfig
+from kivi.config import FP16, KiviConfig
 from kivi.integration import enable_kivi
 
 # The rows of the paper's comparison: fp16 baseline, KIVI-4, KIVI-2, KIVI-2 without residual, per-token keys.
-DEFAULT_CONFIGS = ("fp16", "kivi-4", "kivi-2", "kivi-2-r0", "token-keys-2")
+DEFAULT_CONFIGS = (FP16, "kivi-4", "kivi-2", "kivi-2-r0", "token-keys-2")
 
 
 @dataclass
@@ -36,12 +36,12 @@ def measure_fidelity(model, input_ids: torch.Tensor, configs=DEFAULT_CONFIGS, ch
     """input_ids: [1, T]. Returns one row per configuration name ("fp16" or a KiviConfig preset)."""
     enable_kivi(model)
     # Every cache is built before the first forward pass: one the model cannot hold is refused at once.
-    caches = {name: KiviCache(model.config, KiviConfig.from_name(name)) for name in configs if name != "fp16"}
+    caches = {name: KiviCache(model.config, KiviConfig.from_name(name)) for name in configs if name != FP16}
     reference = chunked_logprobs(model, input_ids, DynamicCache(config=model.config), chunk)
     rows = []
     for name in configs:
-        if name == "fp16":
-            logprobs, cache_name, ratio = reference, "fp16", 1.0
+        if name == FP16:
+            logprobs, cache_name, ratio = reference, FP16, 1.0
         else:
             cache = caches[name]
             logprobs = chunked_logprobs(model, input_ids, cache, chunk)

@@ -34,10 +34,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.archive_root import ArchiveRoot, open_root
+from pipeline.names import RUN_KINDS
 
-RUN_KINDS = ("nightly", "canary", "smoke")
 RUN_STATUSES = ("running", "complete", "failed")
-FP16 = "fp16"  # the `cache` value of the unquantized baseline in every run
 
 _TS = pa.timestamp("us", tz="UTC")
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")  # survives hive path parsing unescaped

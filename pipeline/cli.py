@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import InputError
+from pipeline.names import RUN_KINDS
 
 if TYPE_CHECKING:
     from pipeline.store import Store
@@ -38,10 +39,12 @@ def run_config(config_path: str, run_id: str | None = None, archive: str | None 
     RUN_FAILED when the run stopped: it is still gated and reported with what it wrote, marked partial."""
     from pipeline.archive import ArchiveWriter
     from pipeline.config import load_config
+    from pipeline.gate import check_config_rules
     from pipeline.runner import ResumeError, describe_failure, new_run_id, run
 
     overrides = dict(archive=archive, kind=kind, baseline_run_id=baseline_run_id)
     config = load_config(config_path, **overrides)
+    check_config_rules(config, config_path)
     if address:
         config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
     run_id = run_id or new_run_id(config.kind)
@@ -165,7 +168,7 @@ def main(argv=None) -> int:
     p.add_argument("--workload", required=True)
     p.add_argument("--cache", help="one KIVI cache (default: every one)")
     p.add_argument("--last", type=_positive, help="only the newest N runs")
-    p.add_argument("--kind", help="only runs of this kind (nightly, canary, smoke)")
+    p.add_argument("--kind", help=f"only runs of this kind ({', '.join(RUN_KINDS)})")
     p.add_argument("--archive", default=DEFAULT_ARCHIVE)
     p = sub.add_parser("model-folder", help="print a packaged model's transformers folder (converted on first use)")
     p.add_argument("name")

@@ -1,8 +1,9 @@
 """Run configuration: YAML validated into typed objects before anything heavy is loaded.
 
-Validation resolves every name (model spec, cache presets, workloads and their options, gate rules) and
-checks that every data source exists, so a bad config fails in a second with one message that names the
-field, instead of after a model load on a GPU node.
+Validation resolves every name (model spec, cache presets, workloads and their options) and checks that every
+data source and the archive can be reached, so a bad config fails in a second with one message that names the
+field, instead of after a model load on a GPU node. The gate checks its rules against a loaded config
+(pipeline.gate.check_config_rules): it reads configs, so this module stays below it.
 """
 
 from __future__ import annotations
@@ -17,16 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 from kivi import KiviConfig, KiviConfigError
 from kivi.config import did_you_mean
 from kivi.slot_cache import slot_unsupported
-from pipeline.archive import FP16
 from pipeline.archive_root import ArchiveLocationError, open_root
-from pipeline.errors import InputError, read_yaml, validation_problem
-from pipeline.gate import GateConfig, GateConfigError, load_gate, rule_problems
+from pipeline.errors import ConfigError, read_yaml, validation_problem, validation_text
 from pipeline.models import RANDOM_PREFIX, ModelSpecError, check_model_spec
+from pipeline.names import CANARY, FP16, NIGHTLY, RunKind
 from pipeline.workloads import DataSourceError, UnknownWorkloadError, Workload, WorkloadOptionError, get_workload
-
-
-class ConfigError(InputError):
-    """The config is invalid; the message names the file, the field and the fix."""
 
 
 class _Section(BaseModel):
@@ -66,7 +62,7 @@ class SweepSection(_Section):
 
 
 class RunConfig(_Section):
-    kind: Literal["smoke", "nightly", "canary"] = "nightly"
+    kind: RunKind = NIGHTLY
     model: ModelSection
     caches: tuple[str, ...] = Field(("kivi-2", "kivi-4"), description="KIVI presets compared with fp16")
     cache_overrides: dict[str, dict[str, Any]] = Field(default_factory=dict, description="preset -> KiviConfig fields")
@@ -95,7 +91,7 @@ class RunConfig(_Section):
     @classmethod
     def _fp16_is_implicit(cls, caches: tuple[str, ...]) -> tuple[str, ...]:
         if FP16 in caches:
-            raise ValueError("fp16 is always run as the baseline; list only KIVI presets")
+            raise ValueError(f"{FP16} is always run as the baseline; list only KIVI presets")
         if len(set(caches)) != len(caches):
             raise ValueError("a cache is listed twice")
         return caches
@@ -110,9 +106,6 @@ class RunConfig(_Section):
 
     def build_workloads(self) -> dict[str, Workload]:
         return {name: get_workload(name, data_dir=self.data_dir, **opts) for name, opts in self.workloads.items()}
-
-    def gate_rules(self) -> GateConfig | None:
-        return load_gate(self.gate) if self.gate else None
 
 
 def load_config(path: str | os.PathLike[str], **overrides: Any) -> RunConfig:
@@ -129,11 +122,14 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> RunConfig:
     try:
         config = RunConfig(**raw)
     except ValidationError as err:
-        problems = "; ".join(f"{where or 'config'}: {message}"
-                             for where, message in (validation_problem(e, RunConfig) for e in err.errors()))
-        raise ConfigError(f"{path}: {problems}") from None
+        raise ConfigError(f"{path}: {validation_text(err, _config_problem)}") from None
     _check(config, path)
     return config
+
+
+def _config_problem(error: dict[str, Any]) -> tuple[str, str]:
+    where, message = validation_problem(error, RunConfig)
+    return where or "config", message
 
 
 def _check(config: RunConfig, path: Path) -> None:
@@ -171,13 +167,13 @@ def _check(config: RunConfig, path: Path) -> None:
         fail("archive", err)
     if not config.workloads:
         fail("workloads", ValueError("name at least one workload"))
-    sweeps, workloads = [], {}
+    sweeps = []
     for name, options in config.workloads.items():
         if "data_dir" in options:
             fail(f"workloads.{name}.data_dir", ValueError("data_dir is the config's top-level field (or KIVI_DATA_DIR), "
                                                           "shared by every workload"))
         try:
-            workloads[name] = workload = get_workload(name, data_dir=config.data_dir, **options)
+            workload = get_workload(name, data_dir=config.data_dir, **options)
             workload.check_data()
         except (UnknownWorkloadError, WorkloadOptionError, DataSourceError) as err:
             fail(f"workloads.{name}", err)
@@ -186,15 +182,7 @@ def _check(config: RunConfig, path: Path) -> None:
     for cache, kivi in config.kivi_configs().items():
         if sweeps and kivi is not None and (reason := slot_unsupported(kivi)):
             fail("caches", ValueError(f"{cache} cannot run the {sweeps[0]} sweep on the static decode engine: {reason}"))
-    if config.gate is not None:
-        if not config.gate.is_file():
-            fail("gate", FileNotFoundError(f"no gate rules file {config.gate}"))
-        try:
-            rules = config.gate_rules()
-        except GateConfigError as err:
-            fail("gate", err)
-        # A rule on something the run does not produce would fail closed at the end of a night's run.
-        if problems := rule_problems(rules, workloads, [c for c in config.kivi_configs() if c != FP16]):
-            fail(f"gate ({config.gate})", ValueError("; ".join(problems)))
-    if config.kind == "canary" and not config.baseline_run_id:
+    if config.gate is not None and not config.gate.is_file():
+        fail("gate", FileNotFoundError(f"no gate rules file {config.gate}"))
+    if config.kind == CANARY and not config.baseline_run_id:
         fail("baseline_run_id", ValueError("a canary needs the baseline run to compare with"))

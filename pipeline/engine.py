@@ -17,6 +17,7 @@ from kivi.fidelity import chunked_logprobs, compare
 from kivi.slot_cache import slot_unsupported
 from pipeline.decode_engine import DecodeEngine, DecodeRun, Sequence
 from pipeline.decode_step import unsupported
+from pipeline.names import FP16
 from pipeline.workloads import Request, render_prompt
 
 logger = logging.getLogger(__name__)
@@ -81,16 +82,16 @@ class Engine:
         """Greedy generations in request order, ``batch_size`` at a time (the decode engine's slots, refilled as
         requests end; generate's batches); each stops at its max_new_tokens, EOS or a stop string."""
         if reason := fallback_reason(self.model, kivi):
-            name = "fp16" if kivi is None else kivi.name
+            name = FP16 if kivi is None else kivi.name
             if name not in self.logged:
                 logger.info("%s: generating with transformers.generate, not the decode engine: %s", name, reason)
                 self.logged.add(name)
             return self.generate_with_transformers(requests, kivi, batch_size)
         prompts = self.prompt_ids(requests)
-        sequences = [Sequence(ids, r.max_new_tokens, frozenset() if r.meta.get("ignore_eos") else self.end_ids,
-                              tuple(r.meta.get("stop", ()))) for r, ids in zip(requests, prompts)]
+        sequences = [Sequence(ids, r.max_new_tokens, frozenset() if r.ignore_eos else self.end_ids, r.stop)
+                     for r, ids in zip(requests, prompts)]
         self.last_run = self.decoder.generate(sequences, kivi, slots=batch_size)
-        return [Generation(_cut_at_stop(self._decode(c.tokens), r.meta.get("stop", [])), len(ids), len(c.tokens),
+        return [Generation(_cut_at_stop(self._decode(c.tokens), r.stop), len(ids), len(c.tokens),
                            c.latency_s, c.finish_reason)
                 for r, ids, c in zip(requests, prompts, self.last_run.completions)]
 
@@ -107,7 +108,7 @@ class Engine:
         enc = tok([render_prompt(tok, r.prompt, r.chat) for r in batch], return_tensors="pt", padding=True, add_special_tokens=False)
         enc["input_ids"] %= self.vocab
         enc = enc.to(self.device)
-        stops = sorted({s for r in batch for s in r.meta.get("stop", [])})
+        stops = sorted({s for r in batch for s in r.stop})
         began = time.perf_counter()
         ids = self.model.generate(
             **enc, past_key_values=new_cache(self.model, kivi), do_sample=False,
@@ -119,14 +120,14 @@ class Engine:
         for row, request in enumerate(batch):
             new = ids[row, enc.input_ids.shape[1] :][: request.max_new_tokens]
             new = _until_end(new, {tok.eos_token_id, tok.pad_token_id})
-            text = _cut_at_stop(tok.decode(new, skip_special_tokens=True), request.meta.get("stop", []))
+            text = _cut_at_stop(tok.decode(new, skip_special_tokens=True), request.stop)
             results.append(Generation(text, int(enc.attention_mask[row].sum()), len(new), latency))
         return results
 
     @torch.inference_mode()
     def teacher_forced(self, request: Request, kivi: KiviConfig | None) -> dict[str, float]:
         """Top-1 agreement, mean KL to fp16 and perplexity of the cache on the request's text."""
-        tokens, chunk = request.meta["tokens"], request.meta["chunk"]
+        tokens, chunk = request.teacher_forcing.tokens, request.teacher_forcing.chunk
         ids = self.tokenizer(request.prompt, return_tensors="pt", add_special_tokens=False).input_ids[:, :tokens]
         ids = (ids % self.vocab).to(self.device)
         reference = chunked_logprobs(self.model, ids, new_cache(self.model, None), chunk)
@@ -167,6 +168,6 @@ def _until_end(tokens: torch.Tensor, end_ids: set[int]) -> torch.Tensor:
     return tokens[: int(hits[0])] if len(hits) else tokens
 
 
-def _cut_at_stop(text: str, stops: list[str]) -> str:
+def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
     cut = min((text.find(s) for s in stops if s in text), default=len(text))
     return text[:cut]

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from kivi.config import did_you_mean
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 class InputError(ValueError):
@@ -17,6 +20,10 @@ class InputError(ValueError):
 
     `kivi-eval` prints it as one line, ``kivi-eval: error: …``, and exits 2.
     """
+
+
+class ConfigError(InputError):
+    """The run config is invalid; the message names the file, the field and the fix."""
 
 
 def read_yaml(path: Path, what: str, error: type[InputError]) -> Any:
@@ -29,15 +36,30 @@ def read_yaml(path: Path, what: str, error: type[InputError]) -> Any:
         raise error(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
 
 
+def validation_text(error: ValidationError, describe: Callable[[Mapping[str, Any]], tuple[str, str]]) -> str:
+    """A pydantic error in one line: each of its problems as ``describe`` places and words it, "<where>: <message>"
+    (the message alone where there is no place), joined by "; "."""
+    return "; ".join(f"{where}: {message}" if where else message for where, message in map(describe, error.errors()))
+
+
 def validation_problem(error: Mapping[str, Any], model: Any) -> tuple[str, str]:
     """(where, message) of one pydantic error of ``model``; an unknown field or choice names the closest valid one."""
     loc = error["loc"]
-    message = error["msg"].removeprefix("Value error, ")
+    message = error_message(error)
     if error["type"] == "extra_forbidden" and (fields := _fields_at(model, loc[:-1])) is not None:
-        message = f"unknown field{did_you_mean(loc[-1], fields)}"
+        message = unknown_field(loc[-1], fields)
     elif error["type"] == "literal_error":
         message += did_you_mean(error["input"], re.findall(r"'([^']*)'", error["ctx"]["expected"]))
     return ".".join(map(str, loc)), message
+
+
+def error_message(error: Mapping[str, Any]) -> str:
+    """Pydantic's message, without the "Value error, " it puts before a validator's own."""
+    return error["msg"].removeprefix("Value error, ")
+
+
+def unknown_field(name: Any, fields: Iterable[Any]) -> str:
+    return f"unknown field{did_you_mean(name, fields)}"
 
 
 def _fields_at(model: Any, loc: tuple) -> dict[str, Any] | None:

@@ -15,17 +15,20 @@ import os
 from collections.abc import Mapping, Sequence
 import dataclasses
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kivi.config import did_you_mean
-from pipeline.archive import FP16, ArchiveWriter
-from pipeline.errors import InputError, read_yaml
+from pipeline.archive import ArchiveWriter
+from pipeline.errors import ConfigError, InputError, error_message, read_yaml, unknown_field, validation_text
+from pipeline.names import FP16
 from pipeline.stats import TASK_AVERAGED_WORKLOADS, VIEW_CONFIDENCE, PairedDelta, paired_delta
 
-if TYPE_CHECKING:  # DuckDB is the driver's: Ray actors import the config (and these rules) without it
+if TYPE_CHECKING:  # types only: the config imports torch, which the archive commands (gate, report) never load
+    from pipeline.config import RunConfig
     from pipeline.store import Store
     from pipeline.workloads import Workload
 
@@ -163,8 +166,31 @@ def within_limit(test: str, harm: float, low: float | None, high: float | None, 
     return high is not None and high < limit - _EPS
 
 
+class PerCacheRule(GateRule):
+    """A rule judged cache by cache: the one its `cache` names (each subclass declares it), or every KIVI cache of the
+    run; a run without one fails it."""
+
+    @property
+    def threshold(self) -> float:
+        """The limit its verdicts report."""
+        raise NotImplementedError
+
+    def check(self, ctx: _Context) -> list[Verdict]:
+        rows = self._read(ctx)
+        verdicts = [self._check_cache(cache, rows) for cache in ([self.cache] if self.cache else ctx.kivi_caches())]
+        return verdicts or [self._no_kivi_cache(ctx, self.threshold)]
+
+    def _read(self, ctx: _Context) -> Any:
+        """What the rule needs of the run, read once for all its caches."""
+        raise NotImplementedError
+
+    def _check_cache(self, cache: str, rows: Any) -> Verdict:
+        """The verdict on one cache, from what `_read` returned."""
+        raise NotImplementedError
+
+
 @_register
-class MaxDrop(IntervalRule):
+class MaxDrop(PerCacheRule, IntervalRule):
     """KIVI may score at most `margin` points below fp16 of the same run (workload score, or one task)."""
 
     kind: Literal["max_drop"]
@@ -173,8 +199,11 @@ class MaxDrop(IntervalRule):
     cache: str | None = Field(None, description="omitted: every KIVI cache of the run")
     margin: float = Field(ge=0, description="points (100 × score)")
 
-    def check(self, ctx: _Context) -> list[Verdict]:
-        what = f"{self.workload}/{self.task}" if self.task else self.workload
+    @property
+    def threshold(self) -> float:
+        return self.margin
+
+    def _read(self, ctx: _Context) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
         view, where, params = "kivi_deltas", "", [ctx.run_id, self.workload]
         if self.task:
             view, where, params = "kivi_task_deltas", "AND task = $3", [*params, self.task]
@@ -182,28 +211,28 @@ class MaxDrop(IntervalRule):
         pairs = ctx.store.records(
             f"SELECT cache, fp16_score, kivi_score, {'task_cluster' if self.task else 'cluster'} AS cluster "
             f"FROM kivi_pairs WHERE run_id = $1 AND workload = $2 {where}", params)
-        verdicts = []
-        for cache in [self.cache] if self.cache else ctx.kivi_caches():
-            row = counts.get(cache)
-            if row is None:
-                verdicts.append(self._verdict(cache, None, self.margin, False, f"missing {what} scores for {cache} or fp16"))
-                continue
-            if row["n_pairs"] < max(row["n_fp16"], row["n_cache"]):
-                detail = f"incomplete {what}: {row['n_pairs']} paired requests of {row['n_fp16']} fp16 / {row['n_cache']} {cache}"
-                verdicts.append(self._verdict(cache, 0.0 - row["delta_points"], self.margin, False, detail))
-                continue
-            mine = [p for p in pairs if p["cache"] == cache]
-            stat = paired_delta([p["fp16_score"] for p in mine], [p["kivi_score"] for p in mine],
-                                [p["cluster"] for p in mine], mean_of_clusters=self.workload in TASK_AVERAGED_WORKLOADS
-                                and not self.task, confidence=self.confidence)
-            drop = 0.0 - stat.delta  # not -x: a zero delta must not print as -0.00
-            what_scores = f"{what} fp16 {100 * row['fp16_score']:.2f} vs {100 * row['kivi_score']:.2f}, drop"
-            verdicts.append(self._judge(cache, what_scores, drop, *_drop_interval(stat), stat, self.margin, "points"))
-        return verdicts or [self._no_kivi_cache(ctx, self.margin)]
+        return counts, pairs
+
+    def _check_cache(self, cache: str, rows: tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]) -> Verdict:
+        counts, pairs = rows
+        what = f"{self.workload}/{self.task}" if self.task else self.workload
+        row = counts.get(cache)
+        if row is None:
+            return self._verdict(cache, None, self.margin, False, f"missing {what} scores for {cache} or fp16")
+        if row["n_pairs"] < max(row["n_fp16"], row["n_cache"]):
+            detail = f"incomplete {what}: {row['n_pairs']} paired requests of {row['n_fp16']} fp16 / {row['n_cache']} {cache}"
+            return self._verdict(cache, 0.0 - row["delta_points"], self.margin, False, detail)
+        mine = [p for p in pairs if p["cache"] == cache]
+        stat = paired_delta([p["fp16_score"] for p in mine], [p["kivi_score"] for p in mine],
+                            [p["cluster"] for p in mine], mean_of_clusters=self.workload in TASK_AVERAGED_WORKLOADS
+                            and not self.task, confidence=self.confidence)
+        drop = 0.0 - stat.delta  # not -x: a zero delta must not print as -0.00
+        what_scores = f"{what} fp16 {100 * row['fp16_score']:.2f} vs {100 * row['kivi_score']:.2f}, drop"
+        return self._judge(cache, what_scores, drop, *_drop_interval(stat), stat, self.margin, "points")
 
 
 @_register
-class MaxKL(IntervalRule):
+class MaxKL(PerCacheRule, IntervalRule):
     """A KIVI cache's mean teacher-forced KL to fp16 (the fidelity workload) is at most `max_kl` nats: the
     cheapest early signal, seen long before a task score moves."""
 
@@ -213,25 +242,27 @@ class MaxKL(IntervalRule):
     cache: str | None = Field(None, description="omitted: every KIVI cache of the run")
     max_kl: float = Field(gt=0, description="nats per token")
 
-    def check(self, ctx: _Context) -> list[Verdict]:
-        rows = ctx.store.records(
+    @property
+    def threshold(self) -> float:
+        return self.max_kl
+
+    def _read(self, ctx: _Context) -> list[dict[str, Any]]:
+        return ctx.store.records(
             "SELECT cache, CAST(meta ->> '$.mean_kl' AS DOUBLE) AS kl FROM results "
             "WHERE run_id = $1 AND workload = $2 AND cache <> $3", [ctx.run_id, self.workload, FP16])
-        verdicts = []
-        for cache in [self.cache] if self.cache else ctx.kivi_caches():
-            kls = [r["kl"] for r in rows if r["cache"] == cache]
-            if not kls or None in kls:
-                verdicts.append(self._verdict(cache, None, self.max_kl, False, f"missing {self.workload} KL for {cache}"))
-                continue
-            # The KL is already a paired measure (against fp16 on the same text): its reference is zero.
-            stat = paired_delta([0.0] * len(kls), kls, confidence=self.confidence, scale=1.0)
-            verdicts.append(self._judge(cache, f"{self.workload} mean KL", stat.delta, stat.ci_low, stat.ci_high, stat,
-                                        self.max_kl, "nats"))
-        return verdicts or [self._no_kivi_cache(ctx, self.max_kl)]
+
+    def _check_cache(self, cache: str, rows: list[dict[str, Any]]) -> Verdict:
+        kls = [r["kl"] for r in rows if r["cache"] == cache]
+        if not kls or None in kls:
+            return self._verdict(cache, None, self.max_kl, False, f"missing {self.workload} KL for {cache}")
+        # The KL is already a paired measure (against fp16 on the same text): its reference is zero.
+        stat = paired_delta([0.0] * len(kls), kls, confidence=self.confidence, scale=1.0)
+        return self._judge(cache, f"{self.workload} mean KL", stat.delta, stat.ci_low, stat.ci_high, stat,
+                           self.max_kl, "nats")
 
 
 @_register
-class CellsEqual(GateRule):
+class CellsEqual(PerCacheRule):
     """Every NIAH cell (task, context length, depth) scores as fp16 does, within `tolerance_points`."""
 
     kind: Literal["cells_equal"]
@@ -240,33 +271,35 @@ class CellsEqual(GateRule):
     cache: str | None = Field(None, description="omitted: every KIVI cache of the run")
     tolerance_points: float = Field(0.0, ge=0)
 
-    def check(self, ctx: _Context) -> list[Verdict]:
+    @property
+    def threshold(self) -> float:
+        return 0.0  # its verdicts count differing cells
+
+    def _read(self, ctx: _Context) -> dict[str, dict[tuple, float]]:
         cells: dict[str, dict[tuple, float]] = {}
         for r in ctx.store.records("SELECT * FROM niah_cells WHERE run_id = $1 AND workload = $2", [ctx.run_id, self.workload]):
             cells.setdefault(r["cache"], {})[(r["task"], r["context_length"], r["depth"])] = r["score"]
-        reference = cells.get(FP16, {})
-        verdicts = []
-        for cache in [self.cache] if self.cache else ctx.kivi_caches():
-            mine = cells.get(cache, {})
-            if not reference or not mine:
-                side = "fp16" if not reference else cache
-                verdicts.append(self._verdict(cache, None, 0.0, False, f"missing {self.workload} cells for {side}"))
-                continue
-            unmatched = sorted(reference.keys() ^ mine.keys())
-            differing = sorted(k for k in reference.keys() & mine.keys()
-                               if 100 * abs(mine[k] - reference[k]) > self.tolerance_points + _EPS)
-            notes = [f"{t} L={n} depth={d:g}: missing on one side" for t, n, d in unmatched]
-            notes += [f"{t} L={n} depth={d:g}: fp16 {reference[(t, n, d)]:.2f} vs {mine[(t, n, d)]:.2f}" for t, n, d in differing]
-            bad = len(unmatched) + len(differing)
-            detail = f"{bad} of {len(reference.keys() | mine.keys())} cells differ"
-            if notes:
-                detail += ": " + "; ".join(notes[:_SHOWN]) + ("; …" if len(notes) > _SHOWN else "")
-            verdicts.append(self._verdict(cache, float(bad), 0.0, bad == 0, detail))
-        return verdicts or [self._no_kivi_cache(ctx, 0.0)]
+        return cells
+
+    def _check_cache(self, cache: str, cells: dict[str, dict[tuple, float]]) -> Verdict:
+        reference, mine = cells.get(FP16, {}), cells.get(cache, {})
+        if not reference or not mine:
+            side = FP16 if not reference else cache
+            return self._verdict(cache, None, 0.0, False, f"missing {self.workload} cells for {side}")
+        unmatched = sorted(reference.keys() ^ mine.keys())
+        differing = sorted(k for k in reference.keys() & mine.keys()
+                           if 100 * abs(mine[k] - reference[k]) > self.tolerance_points + _EPS)
+        notes = [f"{t} L={n} depth={d:g}: missing on one side" for t, n, d in unmatched]
+        notes += [f"{t} L={n} depth={d:g}: fp16 {reference[(t, n, d)]:.2f} vs {mine[(t, n, d)]:.2f}" for t, n, d in differing]
+        bad = len(unmatched) + len(differing)
+        detail = f"{bad} of {len(reference.keys() | mine.keys())} cells differ"
+        if notes:
+            detail += ": " + "; ".join(notes[:_SHOWN]) + ("; …" if len(notes) > _SHOWN else "")
+        return self._verdict(cache, float(bad), 0.0, bad == 0, detail)
 
 
 @_register
-class MinThroughputRatio(GateRule):
+class MinThroughputRatio(PerCacheRule):
     """A KIVI cache's best tokens/s (the batch, without OOM, of the highest mean over the sweep's repeats) is at
     least `ratio` × fp16's best; with repeats, judged on the ratio's bootstrap interval by `test`."""
 
@@ -279,27 +312,28 @@ class MinThroughputRatio(GateRule):
         "regression", description="regression: fail when the interval lies below `ratio`; "
                                   "non_inferiority: pass only when it lies at or above it")
 
-    def check(self, ctx: _Context) -> list[Verdict]:
-        rows = {r["cache"]: r for r in ctx.store.records(
+    @property
+    def threshold(self) -> float:
+        return self.ratio
+
+    def _read(self, ctx: _Context) -> dict[str, dict[str, Any]]:
+        return {r["cache"]: r for r in ctx.store.records(
             "SELECT * FROM throughput WHERE run_id = $1 AND workload = $2", [ctx.run_id, self.workload])}
-        fp16 = rows.get(FP16)
-        verdicts = []
-        for cache in [self.cache] if self.cache else ctx.kivi_caches():
-            row = rows.get(cache)
-            if row is None or row["throughput_ratio"] is None:
-                side = cache if fp16 and fp16["max_tokens_per_s"] is not None else "fp16"
-                verdicts.append(self._verdict(cache, None, self.ratio, False, f"missing {self.workload} throughput for {side}"))
-                continue
-            ratio, low, high = row["throughput_ratio"], row["ratio_ci_low"], row["ratio_ci_high"]
-            interval = (f"[{VIEW_CONFIDENCE:.0%} CI {low:.2f}, {high:.2f}] over {row['repeats']} timings" if low is not None
-                        else "(one timing per point: no interval)")
-            # A shortfall below the ratio is the harm: the interval tests of IntervalRule, mirrored.
-            passed = within_limit(self.test, -ratio, None if high is None else -high, None if low is None else -low, -self.ratio)
-            detail = (f"{row['max_tokens_per_s']:.1f} tokens/s (batch ≤ {row['max_batch']}) vs fp16 "
-                      f"{fp16['max_tokens_per_s']:.1f} (batch ≤ {fp16['max_batch']}): {ratio:.2f}× {interval}; "
-                      f"{self.test}: {'passes' if passed else 'fails'} {self.ratio:g}×")
-            verdicts.append(self._verdict(cache, ratio, self.ratio, passed, detail, n=row["repeats"], ci_low=low, ci_high=high))
-        return verdicts or [self._no_kivi_cache(ctx, self.ratio)]
+
+    def _check_cache(self, cache: str, rows: dict[str, dict[str, Any]]) -> Verdict:
+        fp16, row = rows.get(FP16), rows.get(cache)
+        if row is None or row["throughput_ratio"] is None:
+            side = cache if fp16 and fp16["max_tokens_per_s"] is not None else FP16
+            return self._verdict(cache, None, self.ratio, False, f"missing {self.workload} throughput for {side}")
+        ratio, low, high = row["throughput_ratio"], row["ratio_ci_low"], row["ratio_ci_high"]
+        interval = (f"[{VIEW_CONFIDENCE:.0%} CI {low:.2f}, {high:.2f}] over {row['repeats']} timings" if low is not None
+                    else "(one timing per point: no interval)")
+        # A shortfall below the ratio is the harm: the interval tests of IntervalRule, mirrored.
+        passed = within_limit(self.test, -ratio, None if high is None else -high, None if low is None else -low, -self.ratio)
+        detail = (f"{row['max_tokens_per_s']:.1f} tokens/s (batch ≤ {row['max_batch']}) vs fp16 "
+                  f"{fp16['max_tokens_per_s']:.1f} (batch ≤ {fp16['max_batch']}): {ratio:.2f}× {interval}; "
+                  f"{self.test}: {'passes' if passed else 'fails'} {self.ratio:g}×")
+        return self._verdict(cache, ratio, self.ratio, passed, detail, n=row["repeats"], ci_low=low, ci_high=high)
 
 
 @_register
@@ -430,9 +464,18 @@ class GateConfig(BaseModel):
         return rules
 
 
-def rule_problems(rules: GateConfig, workloads: Mapping[str, Workload], caches: Sequence[str]) -> list[str]:
-    """Every rule's names the config does not run (``caches``: the archive names of its KIVI caches)."""
-    return [problem for rule in rules.rules for problem in rule.problems(workloads, caches)]
+def check_config_rules(config: RunConfig, path: str | os.PathLike[str]) -> None:
+    """Raise ConfigError unless the rules file of the config read from ``path`` loads and names only what the run
+    produces: a rule on anything else would fail closed at the end of a night's run. Cheap: no model loads."""
+    if config.gate is None:
+        return
+    try:
+        rules = load_gate(config.gate)
+    except GateConfigError as err:
+        raise ConfigError(f"{Path(path)}: gate: {err}") from None
+    workloads, caches = config.build_workloads(), [c for c in config.kivi_configs() if c != FP16]
+    if problems := [problem for rule in rules.rules for problem in rule.problems(workloads, caches)]:
+        raise ConfigError(f"{Path(path)}: gate ({config.gate}): {'; '.join(problems)}")
 
 
 def load_gate(path: str | os.PathLike[str]) -> GateConfig:
@@ -457,20 +500,21 @@ def parse_gate(data: Any, source: str = "gate rules") -> GateConfig:
     try:
         return GateConfig.model_validate(data)
     except ValidationError as e:
-        raise GateConfigError(f"{source}: " + "; ".join(_describe(err, data) for err in e.errors())) from None
+        raise GateConfigError(f"{source}: {validation_text(e, partial(_rule_problem, data=data))}") from None
 
 
-def _describe(err: Mapping[str, Any], data: Mapping[str, Any]) -> str:
+def _rule_problem(err: Mapping[str, Any], data: Mapping[str, Any]) -> tuple[str, str]:
+    """(where, message) of one error in ``data``: where names the rule, an unknown field lists its kind's fields."""
     loc = [p for p in err["loc"] if p not in RULE_KINDS]  # pydantic inserts the union tag into the path
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-    message = err["msg"].removeprefix("Value error, ")
+    message = error_message(err)
     if len(loc) >= 2 and loc[0] == "rules" and isinstance(loc[1], int):
         rule = data["rules"][loc[1]]
         where = where.replace(f"rules[{loc[1]}]", f"rules[{loc[1]}] ({rule.get('name', 'unnamed')})", 1)
         if err["type"] == "extra_forbidden":
             fields = [f for f in RULE_KINDS[rule["kind"]].model_fields if f != "kind"]
-            message = f"unknown field{did_you_mean(str(loc[-1]), fields)}; fields of {rule['kind']}: {', '.join(fields)}"
-    return f"{where}: {message}"
+            message = f"{unknown_field(str(loc[-1]), fields)}; fields of {rule['kind']}: {', '.join(fields)}"
+    return where, message
 
 
 def evaluate(

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kivi.config import did_you_mean
-from pipeline.archive import FP16
 from pipeline.errors import InputError
+from pipeline.names import FP16
 from pipeline.store import NEWEST_FIRST, Store
 
 COLUMNS = ("run_id", "kind", "started_at", "cache", "fp16", "kivi", "delta_points", "ci_low", "ci_high", "n_pairs",

@@ -20,8 +20,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from pipeline.archive import FP16
 from pipeline.history import delta_history, gated_metrics
+from pipeline.names import FP16
 from pipeline.store import Store, format_table
 
 _GIB = 2**30

@@ -264,7 +264,7 @@ def generation_fallbacks(config: RunConfig) -> dict[str, str]:
 def workload_requests(workload: Workload, tokenizer, max_context: int) -> list[Request]:
     """The workload's requests, each checked to fit ``max_context`` as the engine will feed it to the model."""
     requests = workload.requests(tokenizer, max_context)
-    if workload.kind != "teacher_forced":  # those are cut to meta["tokens"] <= max_context token ids by the engine
+    if workload.kind != "teacher_forced":  # the engine cuts those to teacher_forcing.tokens <= max_context token ids
         check_budget(requests, tokenizer, max_context)
     return requests
 

@@ -41,9 +41,10 @@ import pyarrow.dataset as ds
 from duckdb.sqltypes import BIGINT, BOOLEAN, DOUBLE, VARCHAR
 
 from kivi.config import did_you_mean
-from pipeline.archive import FP16, TABLES, TableSpec
+from pipeline.archive import TABLES, TableSpec
 from pipeline.archive_root import ArchiveRoot, open_root
 from pipeline.errors import InputError
+from pipeline.names import FP16
 from pipeline.stats import TASK_AVERAGED_WORKLOADS, VIEW_CONFIDENCE, paired_delta, ratio_interval
 
 

@@ -161,7 +161,7 @@ class EvalWorker:
             workload_version=workload.version, task=request.task, request_id=request.request_id,
             k_bits=kivi and kivi.k_bits, v_bits=kivi and kivi.v_bits, group_size=kivi and kivi.group_size,
             residual_length=kivi and kivi.residual_length, reference=request.reference,
-            meta=json.dumps({k: v for k, v in request.meta.items() if k != "stop"}),
+            meta=json.dumps(workload.result_meta(request)),
         )
 
     def _maybe_crash(self, shard: Shard) -> None:

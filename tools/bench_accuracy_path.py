@@ -30,10 +30,11 @@ from kivi import KiviCache, KiviConfig, enable_kivi
 from pipeline.decode_engine import DecodeEngine, Sequence
 from pipeline.engine import Engine
 from pipeline.models import load_model
+from pipeline.names import FP16
 from pipeline.workloads import get_workload, prompt_tokens
 from tools.kernel_bench import git_sha
 
-CACHES = {"fp16": None, "kivi2": KiviConfig()}
+CACHES = {FP16: None, "kivi2": KiviConfig()}
 
 
 def peaky_random_check(device: str = "cuda") -> tuple:
@@ -61,7 +62,7 @@ def check(model, prompts: list[list[int]], news: list[int], slots: int = 4) -> l
     device = model.device
     engine = DecodeEngine(model, prefill_tokens=512, sync_every=8)
     rows = []
-    for name, kivi in (("fp16", None), ("kivi-2", KiviConfig()), ("kivi-2-r32", KiviConfig(residual_length=32))):
+    for name, kivi in ((FP16, None), ("kivi-2", KiviConfig()), ("kivi-2-r32", KiviConfig(residual_length=32))):
         run = engine.generate([Sequence(p, n) for p, n in zip(prompts, news)], kivi, slots=slots)
         enable_kivi(model)
         for prompt, new, completion in zip(prompts, news, run.completions):
@@ -93,7 +94,7 @@ def speed(args) -> dict:
     model.generation_config.eos_token_id = None
     workload = get_workload("gsm8k", data_dir=args.data_dir, n=args.n, max_new_tokens=args.new)
     # Every request decodes --new tokens on both paths (generate: no EOS in the model's generation config).
-    requests = [dataclasses.replace(r, meta={**r.meta, "stop": [], "ignore_eos": True})
+    requests = [dataclasses.replace(r, stop=(), ignore_eos=True)
                 for r in workload.requests(tokenizer, 4096)]
     engine = Engine(model, tokenizer)
     tokens = prompt_tokens(tokenizer, [r.prompt for r in requests], [r.chat for r in requests])
@@ -165,7 +166,7 @@ def main(argv=None) -> None:
 
 
 def _print_check(rows: list[dict]) -> None:
-    for name in ("fp16", "kivi-2", "kivi-2-r32"):
+    for name in (FP16, "kivi-2", "kivi-2-r32"):
         mine = [r for r in rows if r["cache"] == name]
         if mine:
             print(f"check {name}: {sum(r['equal'] for r in mine)}/{len(mine)} equal; first diffs (top-2 gap): "

@@ -16,7 +16,8 @@ import time
 
 import duckdb
 
-from pipeline.archive import FP16, RESULTS, ArchiveWriter
+from pipeline.archive import RESULTS, ArchiveWriter
+from pipeline.names import FP16
 from pipeline.archive_root import open_root
 from pipeline.store import Store
 

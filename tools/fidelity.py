@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kivi.config import KiviConfig
+from kivi.config import FP16, KiviConfig
 from kivi.fidelity import DEFAULT_CONFIGS, measure_fidelity
 from pipeline.models import load_model
 from pipeline.workloads.fidelity import haystack_text
@@ -37,7 +37,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     for name in configs:  # fail on a bad name before the model loads
-        if name != "fp16":
+        if name != FP16:
             KiviConfig.from_name(name)
     if args.text_file is None and args.data_dir is None:
         parser.error("pass --data-dir (or set KIVI_DATA_DIR) to the shared data folder, or --text-file")

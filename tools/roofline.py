@@ -125,7 +125,7 @@ def main(argv=None) -> None:
           + (f" {'matmul ms':>9} {'floor ms':>8} {'decode tok/s ceiling':>20}" if cuda else ""))
     for point in points:
         batch = requests[point["workload"]][: point["batch_size"]]
-        cost = step_cost(model, caches[point["cache"]], [r.meta["prompt_tokens"] for r in batch], point["gen_len"])
+        cost = step_cost(model, caches[point["cache"]], [r.prompt_tokens for r in batch], point["gen_len"])
         bytes_ms = (cost.weight_bytes + cost.kv_bytes) / (args.copy_tbps * 1e9)
         flop_ms = cost.flops / (args.peak_tflops * 1e9)
         roof = max(bytes_ms, flop_ms)

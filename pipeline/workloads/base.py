@@ -5,12 +5,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.errors import validation_problem
+from pipeline.errors import validation_problem, validation_text
+from pipeline.workloads.data import require_hub
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -21,19 +23,28 @@ class WorkloadOptionError(ValueError):
 
 
 @dataclass(frozen=True)
+class TeacherForcing:
+    """How a teacher-forced request runs: its first `tokens` token ids, fed `chunk` at a time after the prefill."""
+
+    tokens: int
+    chunk: int
+
+
+@dataclass(frozen=True)
 class Request:
     request_id: str  # unique within (workload, task); derived from the data, so reruns agree
     workload: str
     task: str
-    prompt: str  # chat template not applied; meta["apply_chat_template"] says whether it should be
+    prompt: str  # chat template not applied; `chat` says whether the engine applies it
     max_new_tokens: int
     reference: str  # JSON text, so that every workload fits one Parquet column
-    meta: dict[str, Any] = field(default_factory=dict, hash=False)  # small JSON-able extras (stop, depth …)
-
-    @property
-    def chat(self) -> bool:
-        """Whether the engine puts the prompt into the model's chat template (where the tokenizer has one)."""
-        return bool(self.meta.get("apply_chat_template"))
+    meta: dict[str, Any] = field(default_factory=dict, hash=False)  # JSON-able description stored with results (depth …)
+    chat: bool = False  # the engine puts the prompt into the model's chat template (where the tokenizer has one)
+    stop: tuple[str, ...] = ()  # generation ends before the first of these
+    ignore_eos: bool = False  # decode all max_new_tokens (throughput requests, as vLLM's benchmark)
+    prompt_tokens: int | None = None  # the prompt's length as the workload sampled it (ShareGPT)
+    all_classes: tuple[str, ...] | None = None  # the label set a classification metric scores against (LongBench)
+    teacher_forcing: TeacherForcing | None = None  # set on the requests of teacher_forced workloads
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> str:
@@ -94,20 +105,29 @@ class Workload(ABC):
     kind: ClassVar[Literal["accuracy", "throughput", "teacher_forced"]] = "accuracy"
     Options: ClassVar[type[WorkloadOptions]] = WorkloadOptions
     options: WorkloadOptions  # validated; subclasses narrow the type
+    # The Hub dataset read where data_dir is None; None: there is no Hub copy (the options then require data_dir).
+    hub_dataset: ClassVar[str | None] = None
 
     def __init__(self, **options: Any) -> None:
         try:
             self.options = self.Options(**options)
         except ValidationError as error:
-            problems = "; ".join(_describe(e, self.Options) for e in error.errors())
+            problems = validation_text(error, partial(_option_problem, options=self.Options))
             known = ", ".join(self.Options.model_fields)
             raise WorkloadOptionError(f"workload '{self.name}': {problems} (options: {known})") from None
         # Records dropped by the last requests() call, counted per reason (malformed or filtered).
         self.skipped: Counter[str] = Counter()
 
-    @abstractmethod
     def check_data(self) -> None:
         """Raise DataSourceError if the data cannot be read; cheap, so configs call it before models load."""
+        if self.options.data_dir is not None:
+            self.local_files()
+        elif self.hub_dataset is not None:
+            require_hub(self.hub_dataset)
+
+    @abstractmethod
+    def local_files(self) -> list[Path]:
+        """The files it reads under data_dir; DataSourceError names the first one missing."""
 
     @abstractmethod
     def requests(self, tokenizer: PreTrainedTokenizerBase, max_context: int) -> list[Request]:
@@ -121,7 +141,11 @@ class Workload(ABC):
     def score(self, request: Request, prediction: str) -> Score:
         raise TypeError(f"workload '{self.name}' is a {self.kind} workload: it has no score")
 
+    def result_meta(self, request: Request) -> dict[str, Any]:
+        """The JSON-able `meta` its results store for request: the description, then the chat flag."""
+        return request.meta | {"apply_chat_template": request.chat}
 
-def _describe(error: Any, options: type[WorkloadOptions]) -> str:
+
+def _option_problem(error: Any, options: type[WorkloadOptions]) -> tuple[str, str]:
     where, message = validation_problem(error, options)
-    return f"option '{where}': {message}" if where else message  # no where: a rule across several options
+    return (f"option '{where}'" if where else ""), message  # no where: a rule across several options

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, PositiveInt, model_validator
 
-from pipeline.workloads.base import Request, Workload, WorkloadOptions
+from pipeline.workloads.base import Request, TeacherForcing, Workload, WorkloadOptions
 from pipeline.workloads.niah import essay_paths
 from pipeline.workloads.registry import register_workload
 
@@ -48,8 +49,8 @@ class Fidelity(Workload):
     Options = FidelityOptions
     options: FidelityOptions
 
-    def check_data(self) -> None:
-        essay_paths(self.options.data_dir)
+    def local_files(self) -> list[Path]:
+        return essay_paths(self.options.data_dir)
 
     def requests(self, tokenizer: PreTrainedTokenizerBase, max_context: int) -> list[Request]:
         self.skipped = Counter()
@@ -57,9 +58,12 @@ class Fidelity(Workload):
         ids = tokenizer(text, add_special_tokens=False).input_ids
         tokens = min(self.options.tokens, max_context)
         windows = [ids[start : start + tokens] for start in range(0, len(ids) - tokens + 1, tokens)]
+        forcing = TeacherForcing(tokens, self.options.chunk)
         return [
             Request(request_id=f"window{i}", workload=self.name, task="fidelity", prompt=tokenizer.decode(window),
-                    max_new_tokens=0, reference=json.dumps(None),
-                    meta={"tokens": tokens, "chunk": self.options.chunk, "apply_chat_template": False})
+                    max_new_tokens=0, reference=json.dumps(None), teacher_forcing=forcing)
             for i, window in enumerate(windows[: self.options.n])
         ]
+
+    def result_meta(self, request: Request) -> dict[str, Any]:
+        return asdict(request.teacher_forcing) | super().result_meta(request)

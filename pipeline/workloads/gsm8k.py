@@ -10,18 +10,20 @@ import json
 import random
 import re
 from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveInt
 
 from pipeline.workloads.base import Request, Score, Workload, WorkloadOptions
-from pipeline.workloads.data import local_path, parse_records, read_lines, require_hub, sample
+from pipeline.workloads.data import local_path, parse_records, read_lines, sample
 from pipeline.workloads.registry import register_workload
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-REPO = "openai/gsm8k"
+SPLITS = ("train", "test")
 STOP = ("Question:", "</s>", "<|im_end|>")
 FILTERS = {  # lm-eval filter name -> (regex, which match to keep)
     "strict-match": (re.compile(r"#### (\-?[0-9\.\,]+)"), 0),
@@ -64,7 +66,7 @@ def exact_match(answer: str, reference: str) -> bool:
     return normalize(answer) == normalize(reference)
 
 
-def cut_at_stop(generation: str, stop: list[str]) -> str:
+def cut_at_stop(generation: str, stop: Sequence[str]) -> str:
     # lm-eval cuts at each stop string in turn; harmless when the engine already stopped there.
     for term in stop:
         generation = generation.split(term)[0]
@@ -81,13 +83,10 @@ class GSM8K(Workload):
     version = 1
     Options = GSM8KOptions
     options: GSM8KOptions
+    hub_dataset = "openai/gsm8k"
 
-    def check_data(self) -> None:
-        if self.options.data_dir is None:
-            require_hub(REPO)
-        else:
-            for split in ("train", "test"):
-                local_path(self.options.data_dir, "gsm8k", f"{split}.jsonl")
+    def local_files(self) -> list[Path]:
+        return [self._local_file(split) for split in SPLITS]
 
     def requests(self, tokenizer: PreTrainedTokenizerBase, max_context: int) -> list[Request]:
         self.check_data()
@@ -110,13 +109,12 @@ class GSM8K(Workload):
                 continue
             requests.append(Request(
                 request_id=str(index), workload=self.name, task="gsm8k", prompt=prompt,
-                max_new_tokens=self.options.max_new_tokens, reference=json.dumps(doc["answer"]),
-                meta={"stop": list(STOP), "apply_chat_template": False},
+                max_new_tokens=self.options.max_new_tokens, reference=json.dumps(doc["answer"]), stop=STOP,
             ))
         return requests
 
     def score(self, request: Request, prediction: str) -> Score:
-        answer = extract_answer(cut_at_stop(prediction, request.meta["stop"]), self.options.answer_filter)
+        answer = extract_answer(cut_at_stop(prediction, request.stop), self.options.answer_filter)
         return Score(float(exact_match(answer, json.loads(request.reference))),
                      f"exact_match,{self.options.answer_filter}")
 
@@ -124,7 +122,10 @@ class GSM8K(Workload):
         if self.options.data_dir is None:
             import datasets  # slow to import, and only the Hub path needs it
 
-            rows = datasets.load_dataset(REPO, "main", split=split)
+            rows = datasets.load_dataset(self.hub_dataset, "main", split=split)
         else:
-            rows = read_lines(local_path(self.options.data_dir, "gsm8k", f"{split}.jsonl"))
+            rows = read_lines(self._local_file(split))
         return parse_records(rows, {"question": str, "answer": str}, self.skipped, split)
+
+    def _local_file(self, split: str) -> Path:
+        return local_path(self.options.data_dir, "gsm8k", f"{split}.jsonl")

@@ -22,21 +22,19 @@ from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from kivi.config import did_you_mean
 from pipeline.workloads.base import Request, Score, Workload, WorkloadOptions, prompt_tokens
-from pipeline.workloads.data import (
-    DataSourceError, hub_file, local_path, parse_records, read_lines, require_hub, sample,
-)
+from pipeline.workloads.data import DataSourceError, hub_file, local_path, parse_records, read_lines, sample
 from pipeline.workloads.longbench_metrics import TASK_METRICS, score_prediction
 from pipeline.workloads.registry import register_workload
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-REPO = "THUDM/LongBench"
 TASKS = tuple(TASK_METRICS)
 # pred.py leaves these few-shot and code prompts raw: chat models do better on them without a template.
 NO_CHAT_TEMPLATE = frozenset({"trec", "triviaqa", "samsum", "lcc", "repobench-p"})
 SUBSET_FOLDERS = {"full": "data", "mini": "minilongbench_parsed"}
 REQUIRED = {"input": str, "context": str, "answers": list}
+CONFIG_FILES = ("dataset2prompt.json", "dataset2maxlen.json")  # the official prompt templates and generation lengths
 
 
 class LongBenchOptions(WorkloadOptions):
@@ -96,25 +94,24 @@ class LongBench(Workload):
     version = 1
     Options = LongBenchOptions
     options: LongBenchOptions
+    hub_dataset = "THUDM/LongBench"
 
     def tasks(self) -> tuple[str, ...]:
         return tuple(self.options.tasks)
 
     def check_data(self) -> None:
-        self._config("dataset2prompt.json")
-        self._config("dataset2maxlen.json")
-        if self.options.data_dir is None:
-            require_hub(REPO)
-        else:
-            for task in self.options.tasks:
-                self._local_file(task)
+        for name in CONFIG_FILES:  # needed with the Hub too: they are not on it
+            self._config(name)
+        super().check_data()
+
+    def local_files(self) -> list[Path]:
+        return [self._local_file(task) for task in self.options.tasks]
 
     def requests(self, tokenizer: PreTrainedTokenizerBase, max_context: int) -> list[Request]:
         self.check_data()
         self.skipped = Counter()
-        templates = json.loads(self._config("dataset2prompt.json").read_text())
-        max_lengths = json.loads(self._config("dataset2maxlen.json").read_text())
-        archive = hub_file(REPO, "data.zip") if self.options.data_dir is None else None
+        templates, max_lengths = (json.loads(self._config(name).read_text()) for name in CONFIG_FILES)
+        archive = hub_file(self.hub_dataset, "data.zip") if self.options.data_dir is None else None
         requests = []
         for task in self.options.tasks:
             max_new = max_lengths[task]
@@ -128,15 +125,17 @@ class LongBench(Workload):
                 requests.append(Request(
                     request_id=record.get("_id") or str(index), workload=self.name, task=task,
                     prompt=middle_truncate(tokenizer, prompt, max_context - max_new, chat), max_new_tokens=max_new,
-                    reference=json.dumps(record["answers"]),
-                    meta={"all_classes": record.get("all_classes"), "apply_chat_template": chat},
+                    reference=json.dumps(record["answers"]), chat=chat, all_classes=_classes(record),
                 ))
         return requests
 
     def score(self, request: Request, prediction: str) -> Score:
         answers = json.loads(request.reference)
-        value = score_prediction(request.task, prediction, answers, request.meta["all_classes"])
+        value = score_prediction(request.task, prediction, answers, request.all_classes)
         return Score(value, TASK_METRICS[request.task].__name__)
+
+    def result_meta(self, request: Request) -> dict[str, Any]:
+        return {"all_classes": request.all_classes} | super().result_meta(request)
 
     def _well_formed(self, task: str, record: dict[str, Any]) -> bool:
         problem, answers = None, record["answers"]
@@ -166,3 +165,9 @@ class LongBench(Workload):
             return read_lines(self._local_file(task))
         with zipfile.ZipFile(archive) as files:  # the official data.zip holds data/<task>.jsonl
             return files.read(f"data/{task}.jsonl").decode("utf-8").split("\n")
+
+
+def _classes(record: dict[str, Any]) -> tuple[str, ...] | None:
+    """The record's label set: a list in the classification tasks (trec), null in the others."""
+    classes = record.get("all_classes")
+    return tuple(classes) if isinstance(classes, list) else None

@@ -116,9 +116,8 @@ class NeedleInAHaystack(Workload):
     def tasks(self) -> tuple[str, ...]:
         return tuple(self.options.tasks)
 
-    def check_data(self) -> None:
-        if "niah" in self.options.tasks:
-            self._essays()
+    def local_files(self) -> list[Path]:
+        return self._essays() if "niah" in self.options.tasks else []
 
     def requests(self, tokenizer: PreTrainedTokenizerBase, max_context: int) -> list[Request]:
         self.check_data()
@@ -163,7 +162,7 @@ class NeedleInAHaystack(Workload):
         return Request(
             request_id=f"L{length}-d{depth:g}", workload=self.name, task=task, prompt=prompt,
             max_new_tokens=self.options.max_new_tokens, reference=json.dumps(reference),
-            meta={"context_length": length, "depth": depth, "apply_chat_template": chat},
+            meta={"context_length": length, "depth": depth}, chat=chat,
         )
 
     def _essays(self) -> list[Path]:

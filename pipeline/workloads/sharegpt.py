@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING
 from pydantic import Field, PositiveInt
 
 from pipeline.workloads.base import Request, Workload, WorkloadOptions
-from pipeline.workloads.data import DataSourceError, hub_file, local_path, require_hub
+from pipeline.workloads.data import DataSourceError, hub_file, local_path
 from pipeline.workloads.registry import register_workload
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-REPO = "anon8231489123/ShareGPT_Vicuna_unfiltered"
 HUB_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 LOCAL_PATTERN = "ShareGPT_V3_unfiltered_cleaned_split*.json"  # the full file or a prefix of it
 
@@ -58,17 +57,15 @@ class ShareGPT(Workload):
     kind = "throughput"
     Options = ShareGPTOptions
     options: ShareGPTOptions
+    hub_dataset = "anon8231489123/ShareGPT_Vicuna_unfiltered"
 
-    def check_data(self) -> None:
-        if self.options.data_dir is None:
-            require_hub(REPO)
-        else:
-            self._local_file()
+    def local_files(self) -> list[Path]:
+        return [self._local_file()]
 
     def requests(self, tokenizer: PreTrainedTokenizerBase, max_context: int) -> list[Request]:
         self.check_data()
         self.skipped = Counter()
-        path = self._local_file() if self.options.data_dir is not None else hub_file(REPO, HUB_FILE)
+        path = self._local_file() if self.options.data_dir is not None else hub_file(self.hub_dataset, HUB_FILE)
         entries = [(index, entry) for index, entry in enumerate(json.loads(path.read_text(encoding="utf-8")))
                    if self._has_two_turns(entry)]
         random.Random(self.options.seed).shuffle(entries)
@@ -86,7 +83,7 @@ class ShareGPT(Workload):
                 request_id=str(index), workload=self.name, task="sharegpt", prompt=prompt,
                 max_new_tokens=output_len, reference=json.dumps(None),
                 # vLLM's throughput benchmark ignores EOS, so every request decodes exactly its output length.
-                meta={"prompt_tokens": prompt_len, "ignore_eos": True, "apply_chat_template": False},
+                ignore_eos=True, prompt_tokens=prompt_len,
             ))
         return requests
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import datetime as dt
 
-from pipeline.archive import FP16, ArchiveWriter
+from pipeline.archive import ArchiveWriter
+from pipeline.names import FP16
 
 K2 = "kivi-k2v2-g32-r128"
 K4 = "kivi-k4v4-g32-r128"

@@ -9,7 +9,7 @@ import pytest
 from archive_files import listing, remove, write_parquet
 from synthetic_archive import K2, K4, MODEL, write_gsm8k
 
-from pipeline.archive import FP16, ArchiveWriter
+from pipeline.archive import ArchiveWriter
 from pipeline.gate import (
     GateConfigError,
     Verdict,
@@ -19,6 +19,7 @@ from pipeline.gate import (
     parse_gate,
     write_verdicts,
 )
+from pipeline.names import FP16
 from pipeline.store import Store
 
 REPO = Path(__file__).resolve().parents[2]

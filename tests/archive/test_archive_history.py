@@ -12,10 +12,11 @@ import pytest
 from archive_files import copy
 from synthetic_archive import CONFIG_YAML, K2, K4, MODEL, STARTED, result_row, write_gsm8k
 
-from pipeline.archive import FP16, ArchiveWriter
+from pipeline.archive import ArchiveWriter
 from pipeline.cli import main
 from pipeline.gate import evaluate, load_gate, write_verdicts
 from pipeline.history import NoHistoryError, delta_history
+from pipeline.names import FP16
 from pipeline.store import Store
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,8 +14,9 @@ from synthetic_archive import K2, K4, write_gsm8k
 from test_archive_history import GSM8K_K2_RULE, add_run, gate_with
 
 from pipeline import report as report_module
-from pipeline.archive import FP16, ArchiveWriter
+from pipeline.archive import ArchiveWriter
 from pipeline.gate import evaluate, load_gate, write_verdicts
+from pipeline.names import FP16
 from pipeline.report import write_report
 from pipeline.store import Store
 

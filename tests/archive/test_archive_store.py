@@ -6,7 +6,8 @@ import pytest
 from archive_files import listing, read_parquet, remove, write_parquet
 from synthetic_archive import K2, K4, write_gsm8k
 
-from pipeline.archive import FP16, RESULTS, TABLES, ArchiveWriter
+from pipeline.archive import RESULTS, TABLES, ArchiveWriter
+from pipeline.names import FP16
 from pipeline.store import ReadOnlyError, Store, format_table
 
 

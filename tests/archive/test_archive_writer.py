@@ -11,7 +11,8 @@ from archive_files import hive, listing, read_parquet, write_parquet
 from synthetic_archive import K2, result_row
 
 from pipeline import archive as archive_module
-from pipeline.archive import FP16, ArchiveError, ArchiveWriter
+from pipeline.archive import ArchiveError, ArchiveWriter
+from pipeline.names import FP16
 
 
 def gsm8k_rows(cache: str, ids: range, score: float = 1.0) -> list[dict]:

@@ -24,7 +24,7 @@ HEADS = {"MHA D64": (2, 2, 64), "GQA-3 D64 (SmolLM2)": (6, 2, 64)}
 
 
 def twin_caches(kivi, heads, gen):
-    """Two StaticCaches holding the same prompts: one on the kernels, one on the oracle."""
+    """Two SlotCaches holding the same prompts: one on the kernels, one on the oracle."""
     q_heads, kv_heads, dim = heads
     config = LlamaConfig(hidden_size=q_heads * dim, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
                          head_dim=dim, num_hidden_layers=1, intermediate_size=16, vocab_size=16)

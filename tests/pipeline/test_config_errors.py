@@ -9,6 +9,7 @@ import yaml
 from s3_server import free_ports
 
 from pipeline.config import ConfigError, load_config
+from pipeline.gate import check_config_rules, load_gate
 
 MODEL = {"spec": "smollm2-135m"}
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -113,6 +114,7 @@ def test_the_cli_fails_fast_with_one_line_and_no_archive(write_config, data_dir,
 def test_the_cpu_configs_validate_against_the_local_data(data_dir):
     for name in ("smoke.yaml", "ci.yaml", "sweep-h200.yaml", "multi-gpu.yaml"):
         config = load_config(CONFIGS / name, data_dir=str(data_dir))
+        check_config_rules(config, CONFIGS / name)
         assert list(config.kivi_configs())[0] == "fp16"
 
 
@@ -150,7 +152,7 @@ def test_a_gate_rule_on_something_the_config_does_not_run_is_refused_before_any_
                         workloads={"gsm8k": {"n": 2}, "longbench": {"subset": "mini", "tasks": ["trec"], "n": 1},
                                    "sharegpt": {"n": 2}})
     with pytest.raises(ConfigError) as err:
-        load_config(path)
+        check_config_rules(load_config(path), path)
     assert f"gate ({rules}): " in str(err.value) and message in str(err.value)
 
 
@@ -159,7 +161,8 @@ def test_the_shipped_gpu_configs_validate_with_their_gates_against_the_local_dat
     # Their model is packaged apart (kivi-eval[qwen-coder-1-5b]); the rest validates as on the cluster.
     config = load_config(CONFIGS / name, data_dir=str(data_dir), model={"spec": "smollm2-135m", "max_context": 8192},
                          **overrides)
-    assert config.gate_rules().rules and len(config.kivi_configs()) == 3
+    check_config_rules(config, CONFIGS / name)
+    assert load_gate(config.gate).rules and len(config.kivi_configs()) == 3
 
 
 @pytest.mark.parametrize("archive, env, message", [

@@ -12,9 +12,10 @@ import torch
 from huggingface_hub import constants
 
 from pipeline import runner
-from pipeline.archive import FP16, ArchiveWriter
+from pipeline.archive import ArchiveWriter
 from pipeline.config import RunConfig, load_config
 from pipeline.models import ModelSpecError
+from pipeline.names import FP16
 from pipeline.worker import EvalWorker, RunContext
 
 MODEL = {"spec": "smollm2-135m", "max_context": 1024}

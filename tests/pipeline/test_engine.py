@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kivi import KiviConfig
 from pipeline.engine import Engine, Generation
 from pipeline.models import load_tokenizer
-from pipeline.workloads import Request
+from pipeline.workloads import Request, TeacherForcing
 from tools.sdpa_determinism import agreement
 
 
@@ -32,7 +32,7 @@ def test_ids_past_the_vocabulary_fold_into_it_on_every_path():
         assert [g.prompt_tokens for g in generations] == [len(tokenizer(r.prompt).input_ids) for r in requests]
         point = engine.throughput(requests, kivi, batch_size=2, max_new_tokens=3)
         assert point["gen_len"] == 3 and point["tokens_per_s"] > 0 and repr(kivi) in engine.warmed
-    fidelity = Request("f", "fidelity", "fidelity", prompt * 8, 0, "{}", meta={"tokens": 48, "chunk": 16})
+    fidelity = Request("f", "fidelity", "fidelity", prompt * 8, 0, "{}", teacher_forcing=TeacherForcing(48, 16))
     stats = engine.teacher_forced(fidelity, KiviConfig(residual_length=32))
     assert stats["tokens"] == 48 and 0 <= stats["top1_agreement"] <= 1
 

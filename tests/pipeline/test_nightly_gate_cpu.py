@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from pipeline.config import load_config
-from pipeline.gate import evaluate
+from pipeline.gate import evaluate, load_gate
 from pipeline.runner import run
 from pipeline.store import Store
 
@@ -36,11 +36,11 @@ def test_a_reduced_nightly_run_gates_with_every_rule_and_twice_the_same_verdicts
     for run_id in ("first", "second"):
         run(config, path.read_text(), run_id, progress=False, in_process=True)
         with Store(config.archive) as store:
-            verdicts[run_id] = evaluate(store, run_id, config.gate_rules())
+            verdicts[run_id] = evaluate(store, run_id, load_gate(config.gate))
 
     first = verdicts["first"]
     print("\n".join(f"{v.rule} {v.cache}: {v.passed} {v.detail}" for v in first))  # for the CI log
-    assert {v.rule for v in first} == {r.name for r in config.gate_rules().rules}
+    assert {v.rule for v in first} == {r.name for r in load_gate(config.gate).rules}
     assert not [v for v in first if v.detail.startswith(("missing", "incomplete"))]
     assert any(v.ci_low is not None for v in first)  # the accuracy rules judged intervals
 

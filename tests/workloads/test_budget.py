@@ -10,14 +10,14 @@ from pipeline.workloads import BudgetError, Request, chat_template_tokens, check
 def engine_tokens(tokenizer, request: Request) -> int:
     """Counted by hand, as the engine feeds a request: the chat template's text where asked, no special tokens added."""
     text = request.prompt
-    if request.meta.get("apply_chat_template"):
+    if request.chat:
         messages = [{"role": "user", "content": request.prompt}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def test_the_chat_template_counts_every_token_it_wraps_around_a_prompt(tokenizer):
-    empty = Request("r", "w", "t", "", 0, "null", {"apply_chat_template": True})
+    empty = Request("r", "w", "t", "", 0, "null", chat=True)
     # SmolLM2's template: a system turn, the user turn and the assistant header (~30 tokens, not 2 keys).
     assert chat_template_tokens(tokenizer) == engine_tokens(tokenizer, empty) > 20
 
@@ -35,14 +35,14 @@ def test_niah_cells_hold_their_labelled_length_with_the_chat_template_and_the_an
 def test_longbench_prompts_fit_the_context_inside_the_chat_template(data_dir, tokenizer):
     workload = get_workload("longbench", data_dir=data_dir, subset="mini", n=2, tasks=["qasper", "samsum", "trec"])
     requests = workload_requests(workload, tokenizer, 1024)
-    assert any(r.meta["apply_chat_template"] for r in requests) and any(not r.meta["apply_chat_template"] for r in requests)
+    assert any(r.chat for r in requests) and any(not r.chat for r in requests)
     for request in requests:
         assert engine_tokens(tokenizer, request) + request.max_new_tokens <= 1024, (request.task, request.request_id)
 
 
 def test_a_request_past_max_context_is_refused_naming_it(tokenizer):
     fits = Request("short", "w", "t", "Hello there.", 8, "null")
-    long = Request("long", "w", "t", "word " * 200, 8, "null", {"apply_chat_template": True})
+    long = Request("long", "w", "t", "word " * 200, 8, "null", chat=True)
     check_budget([fits], tokenizer, 64)
     with pytest.raises(BudgetError, match=r"w/t/long: \d+ prompt tokens \+ 8 new exceed max_context 64"):
         check_budget([fits, long], tokenizer, 64)

@@ -55,7 +55,7 @@ def test_the_prompt_holds_five_solved_train_questions_then_the_test_question(req
     assert request.prompt.count("Question: ") == 6
     assert request.prompt.count("\n#### ") == 5
     assert request.prompt.endswith("\nAnswer:")
-    assert request.meta["stop"] == ["Question:", "</s>", "<|im_end|>"]
+    assert request.stop == ("Question:", "</s>", "<|im_end|>")
     assert (request.workload, request.task, request.max_new_tokens) == ("gsm8k", "gsm8k", 256)
 
 
@@ -118,7 +118,7 @@ def test_scores_equal_lm_evals_filter_and_exact_match(answer_filter):
     metric = {key: config["metric_list"][0][key] for key in options}
     stops = config["generation_kwargs"]["until"]
     workload = get_workload("gsm8k", data_dir="unused", answer_filter=answer_filter)
-    request = Request("0", "gsm8k", "gsm8k", "", 256, json.dumps(REFERENCE_1000), {"stop": stops})
+    request = Request("0", "gsm8k", "gsm8k", "", 256, json.dumps(REFERENCE_1000), stop=tuple(stops))
     for generation in GENERATIONS:
         cut = generation
         for stop in stops:  # lm-eval's HF model cuts the generation at each stop string

@@ -70,6 +70,6 @@ def test_the_pipeline_builds_lm_evals_prompts_and_scores_its_generations_alike(r
         request = requests[sample["doc_id"]]
         assert request.prompt == sample["arguments"]["gen_args_0"]["arg_0"]
         generation, answer_filter = sample["resps"][0][0], sample["filter"]
-        assert extract_answer(cut_at_stop(generation, request.meta["stop"]), answer_filter) == sample["filtered_resps"][0]
+        assert extract_answer(cut_at_stop(generation, request.stop), answer_filter) == sample["filtered_resps"][0]
         score = get_workload("gsm8k", data_dir=data_dir, answer_filter=answer_filter).score(request, generation)
         assert score.value == sample["exact_match"], (sample["doc_id"], answer_filter)

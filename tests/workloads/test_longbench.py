@@ -49,8 +49,8 @@ def test_a_request_scores_with_its_tasks_metric(mini):
     answer = json.loads(trec.reference)[0]
     assert workload.score(trec, f"{answer}\nQuestion: more").value == 1.0
     assert workload.score(trec, "x").metric == "classification_score"
-    assert trec.meta["apply_chat_template"] is False
-    assert next(r for r in requests if r.task == "qasper").meta["apply_chat_template"] is True
+    assert trec.chat is False
+    assert next(r for r in requests if r.task == "qasper").chat is True
 
 
 def test_malformed_records_are_skipped_and_counted_per_task_and_reason(data_dir, tokenizer, tmp_path):

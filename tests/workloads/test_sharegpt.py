@@ -42,7 +42,7 @@ def test_requests_keep_the_first_turn_as_prompt_and_the_replys_length_as_output(
     [request] = workload.requests(tokenizer, max_context=4096)
     assert (request.request_id, request.prompt) == ("7", "Tell me about the weather in Lisbon today.")
     assert request.max_new_tokens == len(tokenizer(WORDS).input_ids) == 40
-    assert request.meta["prompt_tokens"] == len(tokenizer(request.prompt).input_ids)
+    assert request.prompt_tokens == len(tokenizer(request.prompt).input_ids)
     assert workload.skipped == {
         "filtered: prompt < 4 tokens": 1,
         "filtered: output < 4 tokens": 1,
