@@ -1,4 +1,4 @@
-"""The one seam between the caches and the kernels: every call a cache makes into kernels/ passes here.
+"""The one seam between the caches and the kernels: every call a cache makes into kivi/kernels/ passes here.
 
 The Triton kernels serve CUDA tensors; the PyTorch oracle (kivi.quant, kivi.attention) serves the rest and
 every shape the kernels do not take (``unsupported``). Both read and write the layout of kivi.quant, so a
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import decode_attention as kivi_decode
-from kernels import dense_decode
-from kernels import quantize as fused_quantize
+from kivi.kernels import decode_attention as kivi_decode
+from kivi.kernels import dense_decode
+from kivi.kernels import quantize as fused_quantize
 from kivi.attention import attention_over_cache
 from kivi.config import KiviConfig, StreamConfig
 from kivi.quant import GROUP_DIM, Quantized, StreamBuffers
@@ -35,13 +35,13 @@ def quantize(x: torch.Tensor, stream: StreamConfig) -> Quantized:
 
 def decode(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, counts: torch.Tensor, config: KiviConfig,
            scaling: float, num_splits: int, out: torch.Tensor | None = None, v_ring: bool = False) -> torch.Tensor:
-    """The fused decode attention over one layer's buffers (see ``kernels.decode_attention.decode_attention``)."""
+    """The fused decode attention over one layer's buffers (see ``kivi.kernels.decode_attention.decode_attention``)."""
     return kivi_decode.decode_attention(query, keys, values, counts, config, scaling, num_splits, out, v_ring=v_ring)
 
 
 def flush(key_resid: torch.Tensor, value_ring: torch.Tensor, keys: Quantized, values: Quantized,
           positions: torch.Tensor, config: KiviConfig) -> None:
-    """KIVI's flush after a decode step, on the device (see ``kernels.quantize.flush_step``)."""
+    """KIVI's flush after a decode step, on the device (see ``kivi.kernels.quantize.flush_step``)."""
     fused_quantize.flush_step(key_resid, value_ring, keys, values, positions, config)
 
 

@@ -24,7 +24,7 @@ from pipeline.models import load_model_config, load_tokenizer, meta_model
 from pipeline.worker import CRASH_ONCE_ENV, EvalWorker, RunContext, Shard
 from pipeline.workloads import Request, Workload, check_budget
 
-KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "kivi" / "kernels"
 
 
 @dataclass

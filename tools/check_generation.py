@@ -3,7 +3,7 @@
     python -m tools.check_generation --model SmolLM2-135M-Instruct.Q4_1.gguf --text essay.txt
 
 Each prompt runs twice under KIVI-2 (G = 32, R = 128): KiviCache(use_kernels=True), whose decode steps
-use kernels.decode_attention and kernels.quantize, and use_kernels=False, the kivi/ oracle. Where the
+use kivi.kernels.decode_attention and kivi.kernels.quantize, and use_kernels=False, the kivi/ oracle. Where the
 tokens first differ, the gap between the oracle's two best logits at that step shows whether it was a tie,
 and the quantized keys and values of the two caches (positions before that token) whether rounding-level
 differences in earlier steps already flipped codes: a block flushed during generation holds generated

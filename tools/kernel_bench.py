@@ -23,9 +23,9 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from kernels import dense_decode
-from kernels.decode_attention import decode_attention, default_num_splits
-from kernels.quantize import quantize, quantize_into
+from kivi.kernels import dense_decode
+from kivi.kernels.decode_attention import decode_attention, default_num_splits
+from kivi.kernels.quantize import quantize, quantize_into
 from kivi.config import KiviConfig
 from kivi.quant import Quantized, StreamBuffers, allocate
 

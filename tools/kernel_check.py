@@ -14,7 +14,7 @@ import sys
 import torch
 
 from kivi.backend import decode_attention
-from kernels.quantize import quantize
+from kivi.kernels.quantize import quantize
 from kivi.config import KiviConfig
 from kivi.quant import GROUP_DIM, unpack
 from kivi.quant import quantize as reference_quantize

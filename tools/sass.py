@@ -29,8 +29,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-import kernels.decode_attention as decode_module
-import kernels.quantize as quantize_module
+import kivi.kernels.decode_attention as decode_module
+import kivi.kernels.quantize as quantize_module
 from kivi import backend
 from kivi.config import KiviConfig
 from kivi.quant import allocate

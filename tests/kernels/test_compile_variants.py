@@ -11,10 +11,10 @@ import pytest
 import torch
 import triton
 
-import kernels._triton as triton_helpers
-import kernels.decode_attention as decode_module
-import kernels.dense_decode as dense_module
-import kernels.quantize as quantize_module
+import kivi.kernels._triton as triton_helpers
+import kivi.kernels.decode_attention as decode_module
+import kivi.kernels.dense_decode as dense_module
+import kivi.kernels.quantize as quantize_module
 from kivi import backend
 from kivi.config import KiviConfig
 from kivi.quant import allocate

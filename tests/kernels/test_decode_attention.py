@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.decode_attention import code_lift, unpack_fields
+from kivi.kernels.decode_attention import code_lift, unpack_fields
 from kivi.backend import decode_attention, unsupported
 from kivi.attention import attention_over_cache
 from kivi.config import KiviConfig

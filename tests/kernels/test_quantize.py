@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.quantize import quantize, quantize_into
+from kivi.kernels.quantize import quantize, quantize_into
 from kivi.quant import GROUP_DIM, Quantized, dequantize, packed_shapes, unpack
 from kivi.quant import quantize as reference_quantize
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kernels.dense_decode import dense_decode_attention
+from kivi.kernels.dense_decode import dense_decode_attention
 from kivi.attention import attention_over_cache
 from kivi.config import KiviConfig
 from kivi.slot_cache import SlotCache

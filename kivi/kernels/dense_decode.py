@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import LOG2E, merge_splits, split_count, split_targets, store_split
+from kivi.kernels._triton import LOG2E, merge_splits, split_count, split_targets, store_split
 
 BLOCK_N = 64
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import round_to
+from kivi.kernels._triton import round_to
 from kivi.config import KiviConfig
 from kivi.quant import Quantized, allocate, codes_per_word, packed_shapes
 

@@ -1,6 +1,8 @@
-"""Triton kernels for the KIVI cache: ``kernels.quantize`` (fused quantize + pack) and
-``kernels.decode_attention`` (fused decode attention over KVStream buffers). Import from those modules: the
-package does not re-export their functions, whose names would shadow the modules.
+"""Triton kernels for the KIVI cache: ``kivi.kernels.quantize`` (fused quantize + pack, the slot cache's flush),
+``kivi.kernels.decode_attention`` (fused decode attention over buffers in kivi.quant's layout) and
+``kivi.kernels.dense_decode`` (fp16 decode over ragged lengths). The caches call them through kivi.backend; they
+read only kivi.config and kivi.quant. Import from those modules: the package does not re-export their functions,
+whose names would shadow the modules.
 
 Oracles: kivi.quant (quantization, layout) and kivi.attention (attention), via tools.kernel_data.reference_decode.
 
