@@ -22,6 +22,12 @@ def smollm2_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / SMOLLM2
 
 
+@pytest.fixture(scope="module")
+def smollm2_gguf_tokenizer(smollm2_gguf):
+    """The shipped GGUF's tokenizer, loaded (and so checked) once: the conversion takes half a minute on 2 cores."""
+    return load_tokenizer(str(smollm2_gguf))  # raises if the check fails
+
+
 def write_sentencepiece_gguf(source: Path, path: Path, merges_kept: int) -> None:
     """SmolLM2's metadata (no tensors: a tokenizer and a config load from metadata alone) with its vocabulary
     turned into a SentencePiece one: "Ġ" spaces become "▁", each piece scored by the rank of the merge that makes
@@ -51,8 +57,8 @@ def write_sentencepiece_gguf(source: Path, path: Path, merges_kept: int) -> None
     writer.close()
 
 
-def test_the_shipped_smollm2_gguf_tokenizes_as_its_own_vocabulary(smollm2_gguf):
-    tokenizer = load_tokenizer(str(smollm2_gguf))  # raises if the check fails
+def test_the_shipped_smollm2_gguf_tokenizes_as_its_own_vocabulary(smollm2_gguf, smollm2_gguf_tokenizer):
+    tokenizer = smollm2_gguf_tokenizer
     vocab = GGUFVocab.read(smollm2_gguf)
     assert tokenizer(PROBE, add_special_tokens=False).input_ids == vocab.tokenize(PROBE)
     assert [vocab.tokens[i] for i in vocab.tokenize(PROBE)] == ["The", "Ġcapital", "Ġof", "ĠFrance", "Ġis", "ĠParis", "."]
@@ -84,9 +90,9 @@ def test_a_packaged_model_converts_from_a_gguf_brought_by_hand_only_when_its_sha
     assert not (tmp_path / "qwen2.5-coder-0.5b").exists()
 
 
-def test_a_bos_the_file_names_but_never_prepends_is_not_held_against_the_tokenizer(smollm2_gguf):
+def test_a_bos_the_file_names_but_never_prepends_is_not_held_against_the_tokenizer(smollm2_gguf, smollm2_gguf_tokenizer):
     # Qwen2.5's GGUF names <|endoftext|> as BOS with add_bos_token false; transformers' tokenizer has no BOS.
-    tokenizer = load_tokenizer(str(smollm2_gguf))
+    tokenizer = smollm2_gguf_tokenizer
     unused = dataclasses.replace(GGUFVocab.read(smollm2_gguf), bos_token_id=0, add_bos_token=False)
     assert not any("bos_token_id" in e for e in problems(tokenizer, unused)[0])
     used = dataclasses.replace(unused, add_bos_token=True)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 LM_EVAL = str(Path(sys.executable).with_name("lm-eval"))
 TASKS = Path(__file__).resolve().parents[2] / "configs" / "lm_eval"
-DOCS = 10
+DOCS = 5
 RUNS = {  # name: (lm-eval model, extra model args)
     "hf": ("hf", ""),
     "kivi-16": ("kivi", ",k_bits=16,v_bits=16"),
