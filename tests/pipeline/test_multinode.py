@@ -43,7 +43,9 @@ def cluster(s3_server, tmp_path_factory):
     ray.shutdown()  # a Ray client of another test's cluster
     env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            # Nodes run this interpreter's environment: a submitted job's `python` is this one.
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           # Task states reach the state API within 0.1 s (default 1 s): the node-loss test sees what runs now.
+           "RAY_task_events_report_interval_ms": "100"}
     with pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():
             patch.setenv(name, value)
@@ -152,7 +154,8 @@ def test_a_killed_drivers_rerun_computes_only_the_missing_files(cluster, s3_serv
 
 
 def test_a_node_removed_mid_run_has_its_shards_retried_on_the_others(cluster, s3_server, data_dir, tmp_path):
-    path, archive = s3_config(tmp_path, s3_server, cluster, {"gsm8k": {**GSM8K["gsm8k"], "n": 9}},
+    # Longer answers than the other tests' keep a shard running for seconds after it is seen to start.
+    path, archive = s3_config(tmp_path, s3_server, cluster, {"gsm8k": {**GSM8K["gsm8k"], "n": 9, "max_new_tokens": 64}},
                               data_dir=str(data_dir))
     config = load_config(path)
     outcome = {}
@@ -161,10 +164,11 @@ def test_a_node_removed_mid_run_has_its_shards_retried_on_the_others(cluster, s3
     driver.start()
     workers = {node.node_id: node for node in cluster.worker_nodes}
     removed = None
-    while removed is None and driver.is_alive():  # a shard running on a worker node: its node goes
-        running = list_tasks(filters=[("name", "=", "EvalWorker.run_shard"), ("state", "=", "RUNNING")])
-        removed = next((t.node_id for t in running if t.node_id in workers), None)
-        time.sleep(0.2)
+    while removed is None and driver.is_alive():  # a shard just started on a worker node: its node goes
+        running = list_tasks(filters=[("name", "=", "EvalWorker.run_shard"), ("state", "=", "RUNNING")], detail=True)
+        now_ms = time.time() * 1000
+        removed = next((t.node_id for t in running if t.node_id in workers and now_ms - t.start_time_ms < 500), None)
+        time.sleep(0.1)
     assert removed is not None, "no shard ran on a worker node"
     cluster.remove_node(workers[removed])
     driver.join(timeout=900)
