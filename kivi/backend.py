@@ -46,10 +46,10 @@ def flush(key_resid: torch.Tensor, value_ring: torch.Tensor, keys: Quantized, va
 
 
 def decode_attention(query: torch.Tensor, key_stream, value_stream, scaling: float, num_splits: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, config: KiviConfig | None = None) -> torch.Tensor:
     """The fused decode attention of query [B, Hq, 1, D] over everything two ``kivi.stream.KVStream``s hold.
-    Returns [B, Hq, 1, D]."""
-    config = KiviConfig.from_streams(key_stream.config, value_stream.config)
+    Returns [B, Hq, 1, D]. ``config``: the layer's, which the streams' configs give when omitted."""
+    config = config or KiviConfig.from_streams(key_stream.config, value_stream.config)
     if reason := unsupported(config, query.shape):
         raise ValueError(f"decode_attention: {reason}")
     if key_stream.n_sink != value_stream.n_sink or key_stream.lengths != value_stream.lengths:

@@ -59,7 +59,8 @@ class KiviLayer(CacheLayerMixin):
         if first_step:  # nothing cached before: exact attention over the prompt, padding masked as usual
             out, _ = sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling)
         elif self.use_kernels and query.is_cuda and backend.unsupported(self.config, query.shape) is None:
-            out = backend.decode_attention(query, self.key_stream, self.value_stream, scaling).transpose(1, 2)
+            out = backend.decode_attention(query, self.key_stream, self.value_stream, scaling, config=self.config)
+            out = out.transpose(1, 2)
         else:
             lengths = torch.tensor(self.key_stream.lengths, device=query.device)
             out = backend.oracle_attention(

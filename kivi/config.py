@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable, Mapping
 
 BIT_WIDTHS = (2, 4, 8, 16)  # 16 keeps the stream in the model dtype
@@ -61,11 +62,11 @@ class KiviConfig:
         """The configuration that applies to one layer (overrides merged, no overrides left)."""
         return dataclasses.replace(self, layer_overrides={}, **self.layer_overrides.get(layer_idx, {}))
 
-    @property
+    @cached_property  # read at every step of every layer
     def keys(self) -> StreamConfig:
         return StreamConfig(self.k_bits, self.group_size, self.residual_length, self.key_axis, self.sink_tokens)
 
-    @property
+    @cached_property
     def values(self) -> StreamConfig:
         return StreamConfig(self.v_bits, self.group_size, self.residual_length, self.value_axis, self.sink_tokens)
 

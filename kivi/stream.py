@@ -26,7 +26,6 @@ from kivi.quant import GROUP_DIM, Quantized, StreamBuffers, allocate, codes_per_
 class KVStream:
     def __init__(self, config: StreamConfig):
         self.config = config
-        self.bits, self.group_size, self.axis, self.sink_tokens = config.bits, config.group_size, config.axis, config.sink_tokens
         self.dim = GROUP_DIM[config.axis]
         self.n_sink: list[int] = []
         self.n_quant: list[int] = []
@@ -58,7 +57,7 @@ class KVStream:
         for b in range(x.shape[0]):
             tokens = x[b] if valid is None else x[b][:, valid[b]]  # [H, t_b, D]
             self._view_write(b, self.lengths[b], tokens)
-            take = min(self.sink_tokens - self.n_sink[b], tokens.shape[1])
+            take = min(self.config.sink_tokens - self.n_sink[b], tokens.shape[1])
             if take:
                 self.sink[b, :, self.n_sink[b] : self.n_sink[b] + take] = tokens[:, :take]
                 self.n_sink[b] += take
@@ -76,26 +75,27 @@ class KVStream:
             n = self.config.quantized(n_resid)
             if n == 0:
                 continue
-            q = self._quantize(self.resid[b : b + 1, :, :n])
+            q = backend.quantize(self.resid[b : b + 1, :, :n], self.config)
             if self.view is not None:
-                self._view_write(b, self.n_sink[b] + self.n_quant[b], dequantize(q, self.bits, self.group_size, self.dim)[0])
+                self._view_write(b, self.n_sink[b] + self.n_quant[b], self._dequantize(q)[0])
             self._write_quantized(b, q)
             self.resid[b, :, : n_resid - n] = self.resid[b, :, n:n_resid].clone()
             self.n_resid[b] -= n
 
-    def _quantize(self, x: torch.Tensor) -> Quantized:
-        return backend.quantize(x, self.config)
+    def _dequantize(self, q: Quantized) -> torch.Tensor:
+        return dequantize(q, self.config.bits, self.config.group_size, self.dim)
 
     def _allocate(self, x: torch.Tensor) -> None:
         batch, heads, _, dim = x.shape
         self.n_sink, self.n_quant, self.n_resid = [0] * batch, [0] * batch, [0] * batch
-        self.sink = x.new_zeros(batch, heads, self.sink_tokens, dim)
+        self.sink = x.new_zeros(batch, heads, self.config.sink_tokens, dim)
         self.resid = x.new_zeros(batch, heads, 0, dim)
         if self.quantizes:
             self.packed = self._empty_packed(batch, heads, 0, dim, x)
 
     def _empty_packed(self, batch: int, heads: int, tokens: int, dim: int, like: torch.Tensor) -> Quantized:
-        return allocate((batch, heads, tokens, dim), self.bits, self.group_size, self.axis, like.dtype, like.device)
+        cfg = self.config
+        return allocate((batch, heads, tokens, dim), cfg.bits, cfg.group_size, cfg.axis, like.dtype, like.device)
 
     def _grow_residual(self, needed: int) -> None:
         if needed > self.resid.shape[2]:
@@ -108,7 +108,8 @@ class KVStream:
         capacity = self._token_count(self.packed)
         if start + n > capacity:
             batch, heads, _, dim = self.resid.shape
-            grown = self._empty_packed(batch, heads, round_up(max(start + n, 2 * capacity), self.group_size), dim, self.resid)
+            tokens = round_up(max(start + n, 2 * capacity), self.config.group_size)
+            grown = self._empty_packed(batch, heads, tokens, dim, self.resid)
             for old, new in zip(self.packed, grown):
                 new[:, :, : old.shape[2]] = old
             self.packed = grown
@@ -119,12 +120,12 @@ class KVStream:
 
     def _rows(self, tokens: int, codes: bool) -> int:
         """Row index (dim 2) of a token count in the packed buffers."""
-        if self.axis == "token":
+        if self.config.axis == "token":
             return tokens
-        return tokens // (codes_per_word(self.bits) if codes else self.group_size)
+        return tokens // (codes_per_word(self.config.bits) if codes else self.config.group_size)
 
     def _token_count(self, q: Quantized) -> int:
-        return q.scale.shape[2] * (self.group_size if self.axis == "channel" else 1)
+        return q.scale.shape[2] * (self.config.group_size if self.config.axis == "channel" else 1)
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -132,7 +133,7 @@ class KVStream:
         """The quantized segment dequantized in float32: [B, H, max n_quant, D] (rows past n_quant[b] are junk)."""
         n = max(self.n_quant, default=0)
         q = Quantized(*(buf[:, :, : self._rows(n, buf is self.packed.codes)] for buf in self.packed))
-        return dequantize(q, self.bits, self.group_size, self.dim)
+        return self._dequantize(q)
 
     def materialize(self) -> torch.Tensor:
         """All stored tokens in position order, float32 [B, H, max length, D] (rows past a length are junk)."""
@@ -168,7 +169,7 @@ class KVStream:
         quant = sum(self.n_quant) * heads * dim
         if not quant:
             return full
-        return full + quant * self.bits // 8 + 2 * quant // self.group_size * item
+        return full + quant * self.config.bits // 8 + 2 * quant // self.config.group_size * item
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args
@@ -208,9 +207,7 @@ class MaxDrop(PerCacheRule, IntervalRule):
         if self.task:
             view, where, params = "kivi_task_deltas", "AND task = $3", [*params, self.task]
         counts = {r["cache"]: r for r in ctx.store.records(f"SELECT * FROM {view} WHERE run_id = $1 AND workload = $2 {where}", params)}
-        pairs = ctx.store.records(
-            f"SELECT cache, fp16_score, kivi_score, {'task_cluster' if self.task else 'cluster'} AS cluster "
-            f"FROM kivi_pairs WHERE run_id = $1 AND workload = $2 {where}", params)
+        pairs = ctx.store.records(f"SELECT * FROM kivi_pairs WHERE run_id = $1 AND workload = $2 {where}", params)
         return counts, pairs
 
     def _check_cache(self, cache: str, rows: tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]) -> Verdict:
@@ -222,10 +219,8 @@ class MaxDrop(PerCacheRule, IntervalRule):
         if row["n_pairs"] < max(row["n_fp16"], row["n_cache"]):
             detail = f"incomplete {what}: {row['n_pairs']} paired requests of {row['n_fp16']} fp16 / {row['n_cache']} {cache}"
             return self._verdict(cache, 0.0 - row["delta_points"], self.margin, False, detail)
-        mine = [p for p in pairs if p["cache"] == cache]
-        stat = paired_delta([p["fp16_score"] for p in mine], [p["kivi_score"] for p in mine],
-                            [p["cluster"] for p in mine], mean_of_clusters=self.workload in TASK_AVERAGED_WORKLOADS
-                            and not self.task, confidence=self.confidence)
+        stat = _score_delta([p for p in pairs if p["cache"] == cache], "fp16_score", "kivi_score", self.workload,
+                            self.task, self.confidence)
         drop = 0.0 - stat.delta  # not -x: a zero delta must not print as -0.00
         what_scores = f"{what} fp16 {100 * row['fp16_score']:.2f} vs {100 * row['kivi_score']:.2f}, drop"
         return self._judge(cache, what_scores, drop, *_drop_interval(stat), stat, self.margin, "points")
@@ -386,15 +381,21 @@ class NoRegressionVsBaseline(IntervalRule):
                               *_drop_interval(worst), worst, self.margin, "points")
         if over:
             names = ", ".join(f"{name} −{drop:.2f}" for drop, name, _ in reversed(over[-_SHOWN:]))
-            verdict = dataclasses.replace(verdict, passed=False, detail=f"{verdict.detail}; failing: {names}")
-        return dataclasses.replace(verdict, baseline_run_id=baseline)
+            verdict = replace(verdict, passed=False, detail=f"{verdict.detail}; failing: {names}")
+        return replace(verdict, baseline_run_id=baseline)
 
     def _stat(self, metric: dict[str, Any], pairs: list[dict[str, Any]]) -> PairedDelta:
         mine = [p for p in pairs if p["workload"] == metric["workload"] and metric["task"] in (None, p["task"])]
-        cluster = "task_cluster" if metric["task"] else "cluster"
-        return paired_delta([p["baseline_score"] for p in mine], [p["candidate_score"] for p in mine],
-                            [p[cluster] for p in mine], confidence=self.confidence,
-                            mean_of_clusters=metric["task"] is None and metric["workload"] in TASK_AVERAGED_WORKLOADS)
+        return _score_delta(mine, "baseline_score", "candidate_score", metric["workload"], metric["task"], self.confidence)
+
+
+def _score_delta(pairs: list[dict[str, Any]], reference: str, candidate: str, workload: str, task: str | None,
+                 confidence: float) -> PairedDelta:
+    """The paired delta of one workload's (or, with ``task``, one task's) scores over the store's pairs: clustered
+    as the store clusters them, and for a workload that averages its tasks, the mean of the task means."""
+    return paired_delta([p[reference] for p in pairs], [p[candidate] for p in pairs],
+                        [p["task_cluster" if task else "cluster"] for p in pairs], confidence=confidence,
+                        mean_of_clusters=task is None and workload in TASK_AVERAGED_WORKLOADS)
 
 
 def _drop_interval(stat: PairedDelta) -> tuple[float | None, float | None]:

@@ -66,6 +66,11 @@ def _p(row: dict[str, Any]) -> str:
     return "–" if row["p_value"] is None else f"{row['p_value']:.2g}"
 
 
+def _column(rows: list[dict[str, Any] | None], key: str) -> np.ndarray:
+    """``key`` of each row as floats, NaN where the row or its value is missing (a cache without that task, one cluster)."""
+    return np.array([np.nan if r is None or r[key] is None else r[key] for r in rows], dtype=float)
+
+
 def _manifest(store: Store, run_id: str) -> dict[str, Any] | None:
     rows = store.records("SELECT * FROM runs WHERE run_id = $1", [run_id])
     return rows[0] if rows else None
@@ -138,9 +143,7 @@ def _delta_bars(bars: list[dict[str, Any]], path: Path) -> None:
     y = np.arange(len(labels))
     for i, cache in enumerate(caches):
         mine = [by.get((label, cache)) for label in labels]
-        values = np.array([np.nan if b is None else b["delta_points"] for b in mine])
-        low = np.array([np.nan if b is None or b["ci_low"] is None else b["ci_low"] for b in mine])
-        high = np.array([np.nan if b is None or b["ci_high"] is None else b["ci_high"] for b in mine])
+        values, low, high = (_column(mine, key) for key in ("delta_points", "ci_low", "ci_high"))
         ax.barh(y + i * height, values, height, label=cache, xerr=[values - low, high - values],
                 error_kw=dict(ecolor="0.25", elinewidth=0.9, capsize=2.5))
         for yi, b, v, lo, hi in zip(y + i * height, mine, values, low, high):
@@ -281,7 +284,7 @@ def _history(store: Store, run_id: str, out: Path) -> str:
     if len(runs) < 2:
         return f"{title}\n\nNo earlier run of {model}{f' of kind {kind}' if kind else ''} in the archive: no history yet."
     trends = {m: _trend([order[r["run_id"]] for r in rows], [r["delta_points"] for r in rows]) for m, rows in series.items()}
-    _history_plot(series, trends, runs, run_id, out / "history.png")
+    _history_plot(series, trends, runs, order, run_id, out / "history.png")
     text = _table(["workload", "cache", "runs", "Δ this run", "95% CI", "trend (points/run)"],
                   [(w, c, len(rows), _signed(rows[-1]["delta_points"]), _interval(rows[-1]), _slope(trends[(w, c)]))
                    for (w, c), rows in series.items()])
@@ -308,15 +311,13 @@ _GATE_COLOURS = {True: ("tab:green", "gate passed"), False: ("tab:red", "gate fa
 
 def _history_plot(series: dict[tuple[str, str], list[dict[str, Any]]],
                   trends: dict[tuple[str, str], tuple[float, float] | None],
-                  runs: list[dict[str, Any]], run_id: str, path: Path) -> None:
-    order = {r["run_id"]: i for i, r in enumerate(runs)}
+                  runs: list[dict[str, Any]], order: dict[str, int], run_id: str, path: Path) -> None:
+    """``runs`` oldest first; ``order``: each run id's place in them."""
     fig = Figure(figsize=(min(14.0, 5 + 0.4 * len(runs)), 0.9 + 2.2 * len(series)), layout="constrained")
     axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
     for ax, ((workload, cache), rows) in zip(axes, series.items()):
         x = np.array([order[r["run_id"]] for r in rows])
-        delta = np.array([r["delta_points"] for r in rows])
-        low = np.array([np.nan if r["ci_low"] is None else r["ci_low"] for r in rows])
-        high = np.array([np.nan if r["ci_high"] is None else r["ci_high"] for r in rows])
+        delta, low, high = (_column(rows, key) for key in ("delta_points", "ci_low", "ci_high"))
         ax.errorbar(x, delta, yerr=[delta - low, high - delta], fmt="none", ecolor="0.35", elinewidth=1, capsize=3)
         ax.scatter(x, delta, c=[_GATE_COLOURS[r["gate_passed"]][0] for r in rows], s=30, zorder=3)
         trend = trends[(workload, cache)]

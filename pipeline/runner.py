@@ -154,18 +154,19 @@ def _execute(config: RunConfig, ctx: RunContext, shard_jobs, sweep_jobs, summary
             summary.sweeps.append(job[2])
 
 
-def _started(placement: dict, requested: float) -> dict:
+def _started(placement: dict, requested: float, previous: dict) -> dict:
     """A worker's placement, its start-up seconds since ``requested`` (scheduling, imports, model load: paid once
     per actor, concurrently, so the part of a run that more GPUs cannot shorten), its job count and the jobs it
-    lost (it died during them: each ran again on the next free actor)."""
-    return placement | {"ready_s": round(time.perf_counter() - requested, 1), "jobs": 0, "lost_jobs": 0}
+    lost (it died during them: each ran again on the next free actor), kept from ``previous`` across restarts."""
+    return placement | {"ready_s": round(time.perf_counter() - requested, 1), "jobs": previous.get("jobs", 0),
+                        "lost_jobs": previous.get("lost_jobs", 0)}
 
 
 def _in_process(ctx: RunContext, jobs: list, summary: RunSummary):
     """The same worker without Ray: one model load in this process, jobs in order (hosts without Ray, debugging)."""
     requested = time.perf_counter()
     worker = EvalWorker(ctx)
-    summary.placements = [_started(worker.placement(), requested)]
+    summary.placements = [_started(worker.placement(), requested, {})]
     for kind, job in jobs:
         worker.run_shard(*job) if kind == "shard" else worker.run_sweep(*job)
         yield 0, kind, job
@@ -205,6 +206,11 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
     def probe(index: int) -> None:  # answered once the actor is up (again), with where it runs
         starting[actors[index].placement.remote()] = index
 
+    def died(index: int) -> None:  # Ray restarts it until its restarts are spent; it rejoins the pool once up
+        deaths[index] += 1
+        if deaths[index] <= config.ray.max_retries:
+            probe(index)
+
     for index in range(n_actors):
         probe(index)
     try:
@@ -224,13 +230,9 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
                     placement = ray.get(ref)
                 except ray.exceptions.RayActorError as err:
                     last_death = err
-                    deaths[index] += 1  # it died starting; once its restarts are spent, for good
-                    if deaths[index] <= config.ray.max_retries:
-                        probe(index)
+                    died(index)
                     continue
-                previous = summary.placements[index]
-                summary.placements[index] = _started(placement, requested) | {
-                    "jobs": previous.get("jobs", 0), "lost_jobs": previous.get("lost_jobs", 0)}
+                summary.placements[index] = _started(placement, requested, summary.placements[index])
                 idle.append(index)
                 continue
             index, number = running.pop(ref)
@@ -242,9 +244,7 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
                     raise
                 summary.placements[index]["lost_jobs"] += 1
                 queue.insert(0, (number, jobs[number]))
-                deaths[index] += 1
-                if deaths[index] <= config.ray.max_retries:
-                    probe(index)  # back in the pool once Ray has restarted it
+                died(index)
                 continue
             idle.append(index)
             yield index, *jobs[number]

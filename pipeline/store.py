@@ -50,6 +50,7 @@ from pipeline.stats import TASK_AVERAGED_WORKLOADS, VIEW_CONFIDENCE, paired_delt
 
 _AVERAGED = ", ".join(f"'{w}'" for w in TASK_AVERAGED_WORKLOADS)
 
+
 # Bootstrap clusters: requests that share a LongBench task or a NIAH cell are not independent draws.
 def _task_cluster(t: str) -> str:
     """The cluster of a row of results ``t`` within its task: its NIAH cell, else the request itself."""
@@ -61,8 +62,18 @@ def _cluster(t: str) -> str:
     return f"CASE WHEN {t}.workload IN ({_AVERAGED}) THEN {t}.task ELSE {_task_cluster(t)} END"
 
 
-_STATS = "s.n_pairs, s.clusters, s.delta_points, s.ci_low, s.ci_high, s.p_value, s.test, s.mde_points"
-_STATS_OF = "paired_delta_stats(list({ref}), list({cand}), list({cluster}), {averaged}, " + str(VIEW_CONFIDENCE) + ")"
+def _delta_stats(pairs: str, keys: str, reference: str, candidate: str, task_level: bool) -> str:
+    """The paired statistics of ``pairs`` (a view or macro call) grouped by ``keys``: per workload, or per task."""
+    cluster, averaged = ("task_cluster", "false") if task_level else ("cluster", f"workload IN ({_AVERAGED})")
+    return f"""
+        SELECT {keys}, s.n_pairs, s.clusters, s.delta_points, s.ci_low, s.ci_high, s.p_value, s.test, s.mde_points
+        FROM (SELECT {keys}, paired_delta_stats(list({reference}), list({candidate}), list({cluster}), {averaged},
+                                                {VIEW_CONFIDENCE}) AS s
+              FROM {pairs} GROUP BY {keys})"""
+
+
+_RUN_KEYS = "run_id, model, workload, workload_version"
+_BASELINE_KEYS = "candidate_run_id, baseline_run_id, workload, workload_version"
 
 _VIEWS = {
     "run_summary": """
@@ -117,17 +128,8 @@ _VIEWS = {
         FROM results k JOIN results f
           ON f.run_id = k.run_id AND f.workload = k.workload AND f.task = k.task AND f.request_id = k.request_id
         WHERE f.cache = '{FP16}' AND k.cache <> '{FP16}'""",
-    "kivi_delta_stats": f"""
-        SELECT run_id, model, workload, workload_version, cache, {_STATS}
-        FROM (SELECT run_id, model, workload, workload_version, cache,
-                     {_STATS_OF.format(ref="fp16_score", cand="kivi_score", cluster="cluster",
-                                       averaged=f"workload IN ({_AVERAGED})")} AS s
-              FROM kivi_pairs GROUP BY run_id, model, workload, workload_version, cache)""",
-    "kivi_task_delta_stats": f"""
-        SELECT run_id, model, workload, workload_version, task, cache, {_STATS}
-        FROM (SELECT run_id, model, workload, workload_version, task, cache,
-                     {_STATS_OF.format(ref="fp16_score", cand="kivi_score", cluster="task_cluster", averaged="false")} AS s
-              FROM kivi_pairs GROUP BY run_id, model, workload, workload_version, task, cache)""",
+    "kivi_delta_stats": _delta_stats("kivi_pairs", f"{_RUN_KEYS}, cache", "fp16_score", "kivi_score", False),
+    "kivi_task_delta_stats": _delta_stats("kivi_pairs", f"{_RUN_KEYS}, task, cache", "fp16_score", "kivi_score", True),
     "niah_cells": """
         SELECT run_id, model, workload, task, cache,
                CAST(meta ->> '$.context_length' AS BIGINT) AS context_length,
@@ -187,20 +189,12 @@ _MACROS = [
           ON c.run_id = candidate_run AND c.workload = b.workload AND c.workload_version = b.workload_version
              AND c.task = b.task AND c.request_id = b.request_id AND c.cache = b.cache
         WHERE b.run_id = baseline_run""",
-    f"""CREATE MACRO baseline_delta_stats(candidate_run, baseline_run) AS TABLE
-        SELECT candidate_run_id, baseline_run_id, workload, workload_version, cache, {_STATS}
-        FROM (SELECT candidate_run_id, baseline_run_id, workload, workload_version, cache,
-                     {_STATS_OF.format(ref="baseline_score", cand="candidate_score", cluster="cluster",
-                                       averaged=f"workload IN ({_AVERAGED})")} AS s
-              FROM baseline_pairs(candidate_run, baseline_run)
-              GROUP BY candidate_run_id, baseline_run_id, workload, workload_version, cache)""",
-    f"""CREATE MACRO baseline_task_delta_stats(candidate_run, baseline_run) AS TABLE
-        SELECT candidate_run_id, baseline_run_id, workload, workload_version, task, cache, {_STATS}
-        FROM (SELECT candidate_run_id, baseline_run_id, workload, workload_version, task, cache,
-                     {_STATS_OF.format(ref="baseline_score", cand="candidate_score", cluster="task_cluster",
-                                       averaged="false")} AS s
-              FROM baseline_pairs(candidate_run, baseline_run)
-              GROUP BY candidate_run_id, baseline_run_id, workload, workload_version, task, cache)""",
+    "CREATE MACRO baseline_delta_stats(candidate_run, baseline_run) AS TABLE" + _delta_stats(
+        "baseline_pairs(candidate_run, baseline_run)", f"{_BASELINE_KEYS}, cache", "baseline_score", "candidate_score",
+        False),
+    "CREATE MACRO baseline_task_delta_stats(candidate_run, baseline_run) AS TABLE" + _delta_stats(
+        "baseline_pairs(candidate_run, baseline_run)", f"{_BASELINE_KEYS}, task, cache", "baseline_score",
+        "candidate_score", True),
 ]
 
 
