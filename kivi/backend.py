@@ -24,6 +24,16 @@ dense_attention = dense_decode.dense_decode_attention
 oracle_attention = attention_over_cache
 
 
+def dense_head_dim(dim: int) -> int:
+    """The head size the dense decode kernel runs a layer of ``dim`` at (a power of two, >= 16: padded)."""
+    return max(16, 1 << (dim - 1).bit_length())
+
+
+def kivi_head_dim(dim: int) -> int | None:
+    """The head size the KIVI decode kernel runs a layer of ``dim`` at (padded), None when it takes none that large."""
+    return next((size for size in kivi_decode.HEAD_DIMS if size >= dim), None)
+
+
 def quantize(x: torch.Tensor, stream: StreamConfig) -> Quantized:
     """x [B, H, T, D] quantized and packed as ``stream`` says; on CUDA by the fused kernel (same codes), which
     takes power-of-two groups."""
@@ -34,9 +44,11 @@ def quantize(x: torch.Tensor, stream: StreamConfig) -> Quantized:
 
 
 def decode(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, counts: torch.Tensor, config: KiviConfig,
-           scaling: float, num_splits: int, out: torch.Tensor | None = None, v_ring: bool = False) -> torch.Tensor:
+           scaling: float, num_splits: int, out: torch.Tensor | None = None, v_ring: bool = False,
+           softcap: float | None = None) -> torch.Tensor:
     """The fused decode attention over one layer's buffers (see ``kivi.kernels.decode_attention.decode_attention``)."""
-    return kivi_decode.decode_attention(query, keys, values, counts, config, scaling, num_splits, out, v_ring=v_ring)
+    return kivi_decode.decode_attention(query, keys, values, counts, config, scaling, num_splits, out, v_ring=v_ring,
+                                        softcap=softcap)
 
 
 def flush(key_resid: torch.Tensor, value_ring: torch.Tensor, keys: Quantized, values: Quantized,
@@ -46,7 +58,8 @@ def flush(key_resid: torch.Tensor, value_ring: torch.Tensor, keys: Quantized, va
 
 
 def decode_attention(query: torch.Tensor, key_stream, value_stream, scaling: float, num_splits: int | None = None,
-                     out: torch.Tensor | None = None, config: KiviConfig | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, config: KiviConfig | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """The fused decode attention of query [B, Hq, 1, D] over everything two ``kivi.stream.KVStream``s hold.
     Returns [B, Hq, 1, D]. ``config``: the layer's, which the streams' configs give when omitted."""
     config = config or KiviConfig.from_streams(key_stream.config, value_stream.config)
@@ -62,4 +75,5 @@ def decode_attention(query: torch.Tensor, key_stream, value_stream, scaling: flo
     if num_splits is None:
         batch, kv_heads = key_stream.resid.shape[:2]
         num_splits = decode_splits(batch, kv_heads, max(after_sink), config, query.device)
-    return decode(query, key_stream.buffers, value_stream.buffers, counts.to(query.device), config, scaling, num_splits, out)
+    return decode(query, key_stream.buffers, value_stream.buffers, counts.to(query.device), config, scaling, num_splits, out,
+                  softcap=softcap)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from kivi import backend
+from kivi.attention import exact_attention
 from kivi.config import KiviConfig, KiviConfigError
+from kivi.layout import attention_layers, model_head_dim, unsupported_layout
 from kivi.quant import codes_per_word
 from kivi.stream import KVStream
 
@@ -16,7 +17,7 @@ FP16_BYTES = 2
 
 
 class KiviLayer(CacheLayerMixin):
-    """One decoder layer's KIVI cache.
+    """One full-attention decoder layer's KIVI cache.
 
     ``update`` only hands the step's exact K/V to the attention; the "kivi" attention function then calls
     ``attend``, which stores them (dropping padding, which the attention mask reveals), attends, and
@@ -48,7 +49,8 @@ class KiviLayer(CacheLayerMixin):
         self.seen_tokens += key_states.shape[-2]
         return key_states, value_states
 
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, attention_mask, scaling: float,
+               softcap: float | None = None) -> torch.Tensor:
         """Store the pending step, attend over the whole cache, flush. Returns [B, q, Hq, D]."""
         keys, values = self.pending
         self.pending = None
@@ -57,14 +59,15 @@ class KiviLayer(CacheLayerMixin):
         self.key_stream.append(keys, valid)
         self.value_stream.append(values, valid)
         if first_step:  # nothing cached before: exact attention over the prompt, padding masked as usual
-            out, _ = sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling)
+            out = exact_attention(module, query, keys, values, attention_mask, scaling, softcap)
         elif self.use_kernels and query.is_cuda and backend.unsupported(self.config, query.shape) is None:
-            out = backend.decode_attention(query, self.key_stream, self.value_stream, scaling, config=self.config)
+            out = backend.decode_attention(query, self.key_stream, self.value_stream, scaling, config=self.config,
+                                           softcap=softcap)
             out = out.transpose(1, 2)
         else:
             lengths = torch.tensor(self.key_stream.lengths, device=query.device)
             out = backend.oracle_attention(
-                query, self.key_stream.materialize(), self.value_stream.materialize(), lengths, scaling
+                query, self.key_stream.materialize(), self.value_stream.materialize(), lengths, scaling, softcap
             ).transpose(1, 2)
         self.key_stream.flush()
         self.value_stream.flush()
@@ -92,19 +95,32 @@ class KiviLayer(CacheLayerMixin):
         return 2 * sum(self.key_stream.lengths) * heads * dim * FP16_BYTES
 
 
+class WindowLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer: its window in the model dtype, attended exactly (transformers' own layer)."""
+
+    def kv_bytes(self) -> int:
+        return 0 if not self.is_initialized else self.keys.nbytes + self.values.nbytes
+
+    def fp16_kv_bytes(self) -> int:
+        return 0 if not self.is_initialized else (self.keys.numel() + self.values.numel()) * FP16_BYTES
+
+
 class KiviCache(Cache):
-    """A KIVI cache for every layer of ``model_config`` (use with a model passed through ``enable_kivi``)."""
+    """A KIVI cache for every layer of ``model_config`` (use with a model passed through ``enable_kivi``):
+    full-attention layers quantized, sliding-window layers' windows in the model dtype (``kivi.layout``)."""
 
     def __init__(self, model_config: PretrainedConfig, config: KiviConfig | None = None, use_kernels: bool = True):
         """``use_kernels=False`` keeps CUDA tensors on the PyTorch oracle (for comparisons with the kernels)."""
         config = config or KiviConfig()
         text = model_config.get_text_config(decoder=True)
         check_fits_model(config, text)
-        super().__init__(layers=[KiviLayer(config.for_layer(i), use_kernels) for i in range(text.num_hidden_layers)])
+        layers = [WindowLayer(layer.window) if layer.sliding else KiviLayer(config.for_layer(i), use_kernels)
+                  for i, layer in enumerate(attention_layers(text))]
+        super().__init__(layers=layers)
         self.config = config
 
     def kv_bytes(self) -> int:
-        """Bytes held now: packed codes + scales + zeros + sinks + residuals, all layers."""
+        """Bytes held now: packed codes + scales + zeros + sinks + residuals, and sliding windows, all layers."""
         return sum(layer.kv_bytes() for layer in self.layers)
 
     def fp16_kv_bytes(self) -> int:
@@ -112,24 +128,10 @@ class KiviCache(Cache):
         return sum(layer.fp16_kv_bytes() for layer in self.layers)
 
 
-def model_head_dim(text: PretrainedConfig) -> int:
-    """Per-head size of a decoder's text config (``head_dim`` where the config names it)."""
-    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-
-
-def mixed_layer_types(text: PretrainedConfig) -> list[str]:
-    """A decoder's layer types when any is not full attention (sliding window, linear …); else []. A config that sets
-    ``sliding_window`` and names no layer types (Mistral's) slides on every layer: a cache that attends over every
-    stored token would differ from the model's own attention once a sequence passes the window."""
-    sliding = getattr(text, "sliding_window", None) is not None
-    layer_types = sorted(set(getattr(text, "layer_types", None) or ["sliding_attention" if sliding else "full_attention"]))
-    return [] if layer_types == ["full_attention"] else layer_types
-
-
 def check_fits_model(config: KiviConfig, text: PretrainedConfig) -> None:
-    """Raise KiviConfigError where ``config`` cannot hold the decoder of ``text`` (layer types, layer indices, shapes)."""
-    if layer_types := mixed_layer_types(text):
-        raise KiviConfigError(f"KiviCache supports full-attention layers only; this model has {layer_types}")
+    """Raise KiviConfigError where ``config`` cannot hold the decoder of ``text`` (layout, layer indices, shapes)."""
+    if reason := unsupported_layout(text):
+        raise KiviConfigError(f"KiviCache: {reason}")
     head_dim = model_head_dim(text)
     for layer in config.layer_overrides:
         if layer >= text.num_hidden_layers:

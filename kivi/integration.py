@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kivi.cache import KiviCache
+from kivi.attention import exact_attention, unapplied_arguments
+from kivi.cache import KiviCache, KiviLayer
 
 ATTENTION_NAME = "kivi"
 
 
-def kivi_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention through the KiviCache of the current call; plain SDPA for any other cache."""
-    cache = getattr(module, "_kivi_cache", None)
-    if not isinstance(cache, KiviCache):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+def kivi_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """Attention through the KiviCache of the current call (its full-attention layers); exact attention, soft-capped
+    where the model asks, for every other layer and cache."""
+    if unapplied := unapplied_arguments(kwargs):
+        raise NotImplementedError(f"{type(module).__name__}: the kivi attention does not apply {unapplied}")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    return cache.layers[module.layer_idx].attend(module, query, attention_mask, scaling), None
+    cache = getattr(module, "_kivi_cache", None)
+    layer = cache.layers[module.layer_idx] if isinstance(cache, KiviCache) else None
+    if isinstance(layer, KiviLayer):
+        return layer.attend(module, query, attention_mask, scaling, softcap), None
+    kwargs.pop("sliding_window", None)  # the mask holds the window
+    return exact_attention(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs), None
 
 
 AttentionInterface.register(ATTENTION_NAME, kivi_attention_forward)

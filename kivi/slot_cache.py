@@ -14,18 +14,22 @@ KIVI's flush rules, so a decode step never asks the host anything:
 
 These are KVStream's rules (kivi.stream), so a sequence here holds the codes a KiviCache would hold. The
 prompt is not run here: the engine runs the stock model on it (exact attention) and ``load`` stores the
-keys and values. A decode step calls each layer's ``step``: store the step's token, attend, flush. On CUDA
-the Triton kernels do all three; on the CPU (tests, smoke runs) the kivi/ oracle does, with the same results.
+keys and values. A decode step is the model's own forward with this cache as its ``past_key_values``; each
+attention layer calls its slot layer's ``attend`` (``kivi.slot_attention``): store the step's token, attend,
+flush. On CUDA the Triton kernels do all three; on the CPU (tests, smoke runs) the kivi/ oracle does, with the
+same results.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kivi import backend
-from kivi.cache import check_fits_model, model_head_dim
+from kivi.cache import check_fits_model
 from kivi.config import KiviConfig, KiviConfigError
+from kivi.layout import attention_layers, model_head_dim, unsupported_layout
 from kivi.quant import GROUP_DIM, Quantized, StreamBuffers, allocate, codes_per_word, dequantize, quantize
 from kivi.stream import round_up
 
@@ -65,6 +69,13 @@ class StepState:
             self._derived["lengths"] = self.positions + 1
         return self._derived["lengths"]
 
+    def ring(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row of this step's token in a dense layer of ``rows`` rows (position % rows) and the rows it attends
+        (min(position + 1, rows)), [B] each: for a full layer (rows = capacity) its position and length."""
+        if ("ring", rows) not in self._derived:
+            self._derived[("ring", rows)] = (self.positions % rows, (self.positions + 1).clamp(max=rows))
+        return self._derived[("ring", rows)]
+
     def slots(self, config: KiviConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of this step's token in the key residual and in the value ring, [B] each."""
         key = ("slots", config.keys.block, config.values.window)
@@ -82,14 +93,51 @@ class StepState:
         return self._derived[key]
 
 
-class _SlotLayer:
-    def __init__(self, state: StepState):
-        self.state = state
+class _SlotLayer(CacheLayerMixin):
+    """One layer of a SlotCache. As a transformers cache layer, ``update`` only hands the step's keys and values on:
+    the "kivi-slots" attention (``kivi.slot_attention``) stores them, attends and flushes in one call of ``attend``.
 
-    def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    Kernels take head sizes of a few powers of two; another size (Phi-3's 96) is stored zero-padded to the next one
+    they take: zero channels add nothing to q . k, quantize to exact zeros, and are cut from the output.
+    """
+
+    is_sliding = False
+
+    def __init__(self, state: StepState, head_dim: int, kernel_dim: int | None):
+        super().__init__()
+        self.state, self.head_dim = state, head_dim
+        self.stored_dim = kernel_dim if state.use_kernels and kernel_dim else head_dim
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        raise NotImplementedError("SlotCache: every slot has its own length; pass position_ids (SlotCache.positions)")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        raise NotImplementedError("SlotCache: the kivi-slots attention needs no mask")
+
+    def get_max_length(self) -> int:
+        return self.state.capacity
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+               softcap: float | None) -> torch.Tensor:
         """Store the step's key/value [B, Hkv, 1, D] at each sequence's position, attend with query [B, Hq, 1, D],
         flush. Returns [B, Hq, 1, D]."""
-        return self._attend(query, key[:, :, 0], value[:, :, 0], scaling)
+        query, key, value = (self._padded(x) for x in (query, key, value))
+        out = self._attend(query, key[:, :, 0], value[:, :, 0], scaling, softcap)
+        return out[..., : self.head_dim].contiguous() if self.stored_dim != self.head_dim else out
+
+    def load(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Store prompts: keys/values [b, Hkv, T, D] right-padded, sequence j real at [0, lengths[j])."""
+        self._load(rows, self._padded(keys), self._padded(values), lengths)
+
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.stored_dim == self.head_dim else torch.nn.functional.pad(x, (0, self.stored_dim - self.head_dim))
 
     def nbytes(self, float_bytes: int | None = None) -> int:
         return sum(t.numel() * (float_bytes or t.element_size()) if t.is_floating_point() else t.nbytes
@@ -97,30 +145,45 @@ class _SlotLayer:
 
 
 class DenseSlotLayer(_SlotLayer):
-    """Keys and values in the model dtype, [B, Hkv, capacity, D]: the fp16 baseline."""
+    """Keys and values in the model dtype: the fp16 baseline's layers, and every sliding-window layer.
 
-    def __init__(self, state: StepState, kv_heads: int, head_dim: int):
-        super().__init__(state)
-        shape = (state.batch, kv_heads, state.capacity, head_dim)
+    A full-attention layer holds the whole capacity, position i at row i. A sliding layer holds a ring of the
+    window, position i at row i % rows: the step's token overwrites the one that leaves the window, and the layer
+    attends over the first min(position + 1, rows) rows, in any order (attention does not depend on it).
+    """
+
+    def __init__(self, state: StepState, kv_heads: int, head_dim: int, window: int | None = None):
+        super().__init__(state, head_dim, backend.dense_head_dim(head_dim))
+        self.window, self.is_sliding = window, window is not None
+        self.rows = state.capacity if window is None else min(window, state.capacity)
+        shape = (state.batch, kv_heads, self.rows, self.stored_dim)
         self.keys = torch.zeros(shape, dtype=state.dtype, device=state.device)
         self.values = torch.zeros_like(self.keys)
         if state.use_kernels:
-            self.num_splits = backend.dense_splits(state.batch, kv_heads, state.capacity, state.device)
+            self.num_splits = backend.dense_splits(state.batch, kv_heads, self.rows, state.device)
 
-    def load(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
-        self.keys[rows, :, : keys.shape[2]] = keys
-        self.values[rows, :, : keys.shape[2]] = values
+    def _load(self, rows, keys, values, lengths):
+        if self.window is None:
+            self.keys[rows, :, : keys.shape[2]] = keys
+            self.values[rows, :, : keys.shape[2]] = values
+            return
+        # ring row r <- the newest position p < length with p % rows == r (rows past a short prompt: never read)
+        last = lengths[:, None].long() - 1
+        position = last - (last - torch.arange(self.rows, device=keys.device)) % self.rows
+        at = position.clamp(0, keys.shape[2] - 1)[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
+        self.keys[rows], self.values[rows] = keys.gather(2, at), values.gather(2, at)
 
-    def _attend(self, query, key, value, scaling):
-        pos, index = self.state.positions, self.state.batch_index
-        self.keys[index, :, pos] = key
-        self.values[index, :, pos] = value
-        lengths = self.state.lengths()
+    def _attend(self, query, key, value, scaling, softcap):
+        index = self.state.batch_index
+        row, lengths = self.state.ring(self.rows)
+        self.keys[index, :, row] = key
+        self.values[index, :, row] = value
         if self.state.use_kernels:
-            return backend.dense_attention(query, self.keys, self.values, lengths, scaling, self.num_splits)
+            return backend.dense_attention(query, self.keys, self.values, lengths, scaling, self.num_splits,
+                                           _output(query), softcap=softcap)
         longest = int(lengths.max())  # the oracle reads what is stored, not the whole capacity
         return backend.oracle_attention(query, self.keys[:, :, :longest].float(), self.values[:, :, :longest].float(),
-                                    lengths, scaling)
+                                        lengths, scaling, softcap)
 
     def _buffers(self):
         return (self.keys, self.values)
@@ -130,8 +193,9 @@ class KiviSlotLayer(_SlotLayer):
     """Packed codes, scales and zeros for the whole capacity, a key residual of KB rows, a value ring of R + 1."""
 
     def __init__(self, state: StepState, config: KiviConfig, kv_heads: int, head_dim: int):
-        super().__init__(state)
+        super().__init__(state, head_dim, backend.kivi_head_dim(head_dim))
         self.config = config
+        head_dim = self.stored_dim
         g = config.group_size
         self.key_block, self.window = config.keys.block, config.values.window
         batch, capacity, dtype, device = state.batch, state.capacity, state.dtype, state.device
@@ -147,12 +211,9 @@ class KiviSlotLayer(_SlotLayer):
             self.value_buffers = StreamBuffers(no_sinks, self.values, self.value_ring)
             self.num_splits = backend.decode_splits(batch, kv_heads, capacity, config, device)
 
-    def load(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Store prompts: keys/values [b, Hkv, T, D] right-padded, sequence j real at [0, lengths[j]).
-
-        Whole key blocks and every value are quantized at once; a group that mixes a sequence's tail with
-        padding is never read (it lies past that sequence's quantized keys) and is overwritten by its flush.
-        """
+    def _load(self, rows, keys, values, lengths):
+        """Whole key blocks and every value are quantized at once; a group that mixes a sequence's tail with
+        padding is never read (it lies past that sequence's quantized keys) and is overwritten by its flush."""
         cfg, kb, w = self.config, self.key_block, self.window
         tokens = keys.shape[2]
         whole = cfg.keys.quantized(tokens)
@@ -172,13 +233,13 @@ class KiviSlotLayer(_SlotLayer):
         self.value_ring[rows] = values[seq, :, ring_pos.clamp(0, tokens - 1)].transpose(1, 2)
         self.view = None  # the oracle's float32 view is rebuilt at the next step
 
-    def _attend(self, query, key, value, scaling):
+    def _attend(self, query, key, value, scaling, softcap):
         index = self.state.batch_index
         key_slot, value_slot = self.state.slots(self.config)
         self.key_resid[index, :, key_slot] = key
         self.value_ring[index, :, value_slot] = value
         if self.state.use_kernels:
-            return self._attend_kernels(query, scaling)
+            return self._attend_kernels(query, scaling, softcap)
         lengths = self.state.lengths()
         if self.view is None:  # every stored token as attention reads it, built once per load and kept current
             keys, values = self._materialize()
@@ -188,14 +249,15 @@ class KiviSlotLayer(_SlotLayer):
             self.view[0, index, :, self.state.positions.long()] = key.float()
             self.view[1, index, :, self.state.positions.long()] = value.float()
         longest = int(lengths.max())
-        out = backend.oracle_attention(query, self.view[0, :, :, :longest], self.view[1, :, :, :longest], lengths, scaling)
+        out = backend.oracle_attention(query, self.view[0, :, :, :longest], self.view[1, :, :, :longest], lengths, scaling,
+                                       softcap)
         self._flush_oracle()
         return out
 
-    def _attend_kernels(self, query, scaling):
+    def _attend_kernels(self, query, scaling, softcap):
         cfg = self.config
         out = backend.decode(query, self.key_buffers, self.value_buffers, self.state.counts(cfg), cfg, scaling,
-                             self.num_splits, v_ring=True)
+                             self.num_splits, _output(query), v_ring=True, softcap=softcap)
         backend.flush(self.key_resid, self.value_ring, self.keys, self.values, self.state.positions, cfg)
         return out
 
@@ -239,8 +301,10 @@ class KiviSlotLayer(_SlotLayer):
         return (*self.keys, *self.values, self.key_resid, self.value_ring)
 
 
-class SlotCache:
-    """A slot cache for every layer: KIVI when ``kivi`` is given, else the model dtype (the fp16 baseline).
+class SlotCache(Cache):
+    """A slot cache for every layer, handed to the model's forward in decode steps (``past_key_values``): KIVI's
+    full-attention layers when ``kivi`` is given, else the model dtype (the fp16 baseline); sliding-window layers
+    keep their window in the model dtype under either (``kivi.layout``).
 
     ``use_kernels`` (default: on CUDA) runs the Triton kernels, which a CUDA graph can capture; off, the
     kivi/ oracle serves (it reads counts on the host).
@@ -253,15 +317,16 @@ class SlotCache:
             if reason := slot_unsupported(kivi):
                 raise KiviConfigError(f"KiviConfig: {reason}")
             check_fits_model(kivi, text)
+        elif reason := unsupported_layout(text):
+            raise KiviConfigError(f"SlotCache: {reason}")
         device = torch.device(device)
         self.state = StepState(batch, capacity, dtype, device, device.type == "cuda" if use_kernels is None else use_kernels)
-        kv_heads = text.num_key_value_heads
-        head_dim = model_head_dim(text)
-        self.layers = [
-            DenseSlotLayer(self.state, kv_heads, head_dim) if kivi is None
+        kv_heads, head_dim = text.num_key_value_heads, model_head_dim(text)
+        super().__init__(layers=[
+            DenseSlotLayer(self.state, kv_heads, head_dim, layer.window) if kivi is None or layer.sliding
             else KiviSlotLayer(self.state, kivi.for_layer(i), kv_heads, head_dim)
-            for i in range(text.num_hidden_layers)
-        ]
+            for i, layer in enumerate(attention_layers(text))
+        ])
 
     @property
     def positions(self) -> torch.Tensor:
@@ -276,8 +341,8 @@ class SlotCache:
         return self.state.use_kernels
 
     def load(self, rows: torch.Tensor, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor) -> None:
-        """Store the prompts of sequences in slots ``rows``: per layer (keys, values) [b, Hkv, T, D], right-padded.
-        The slots become active."""
+        """Store the prompts of sequences in slots ``rows``: per layer (keys, values) [b, Hkv, T, D], right-padded,
+        every position of the prompt (a sliding layer keeps its window of them). The slots become active."""
         lengths = lengths.to(device=self.state.device, dtype=torch.int32)
         if int(lengths.max()) > self.capacity:
             raise ValueError(f"SlotCache: a prompt of {int(lengths.max())} tokens exceeds the capacity {self.capacity}")
@@ -299,3 +364,9 @@ class SlotCache:
         """Bytes of every cache buffer (allocated for the whole capacity). ``float_bytes`` counts each element in
         the model dtype (dense K/V, scales, zeros, residuals) at that size: 2 gives the cache of a 16-bit model."""
         return sum(layer.nbytes(float_bytes) for layer in self.layers)
+
+
+def _output(query: torch.Tensor) -> torch.Tensor:
+    """The attention output [B, Hq, 1, D] with standard strides, as the slot attention operator declares it (the
+    kernels' default, ``empty_like(query)``, would keep a transposed query's strides)."""
+    return torch.empty(query.shape, dtype=query.dtype, device=query.device)

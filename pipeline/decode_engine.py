@@ -3,17 +3,19 @@
 A call holds a fixed number of slots in one ``SlotCache`` (KIVI or the model dtype) and a queue of waiting
 sequences, longest first (prompt + new tokens: the longest start early instead of running alone at the end):
 
-1. admission: each free slot takes the next waiting sequence. Its prompt runs through the stock model (exact
-   attention, as KIVI prescribes), right-padded in micro-batches of similar lengths and about
-   ``prefill_tokens`` tokens; a prompt longer than that runs in chunks of that size over a DynamicCache of its
-   own, so one 32K prompt does not stall the others for long: while sequences decode, one prefill unit (a
-   micro-batch or a chunk) runs between two decode segments. The finished prompt's keys and values are
-   stored into its slot (quantized there under KIVI) and its first greedy token taken.
-2. decode: segments of at most ``sync_every`` steps (``pipeline.decode_step``, replayed from one CUDA graph
-   on CUDA; every slot steps, an idle one in place), each step's tokens kept on the device; a segment never
-   runs a sequence past its own ``max_new_tokens``.
+1. admission: once enough slots are free (``refill`` of them, or any when nothing decodes), each takes the next
+   waiting sequence, and every admitted prompt runs through the stock model (exact attention, as KIVI
+   prescribes) before decoding goes on: right-padded micro-batches of similar lengths and at most
+   ``prefill_tokens`` tokens, one after the other, a prompt longer than that in chunks of that size over a
+   DynamicCache of its own. Waiting for several free slots makes the micro-batches large enough to run at the
+   model's speed; a slot freed one at a time would be refilled with a micro-batch of one prompt. The keys and
+   values of each finished prompt are stored into its slot (quantized there under KIVI) and its first token
+   chosen from the model's own logits; one host copy for all of them.
+2. decode: segments of at most ``sync_every`` steps (``pipeline.decode_step``: the model's own forward,
+   replayed from one CUDA graph on CUDA; every slot steps, an idle one in place), each step's tokens kept on the
+   device; a segment never runs a sequence past its own ``max_new_tokens``.
 3. after a segment, one copy to the host: a sequence ends at an end id (EOS), a stop string, or its
-   ``max_new_tokens``; its tokens are cut there, its slot is released and refilled at the next admission.
+   ``max_new_tokens``; its tokens are cut there, its slot is released and refilled at a later admission.
 
 Outputs come back in the order of the sequences given.
 """
@@ -28,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
-from kivi import KiviConfig
+from kivi import KiviConfig, enable_kivi
 from kivi.cache import FP16_BYTES
 from kivi.slot_cache import SlotCache
 from pipeline.decode_step import DecodeStep
@@ -74,13 +77,23 @@ class DecodeRun:
         return torch.tensor([c.tokens for c in self.completions], dtype=torch.long)
 
 
+# cuDNN's fused attention, PyTorch's first choice for masked SDPA on Hopper, builds a plan for every shape it
+# meets (0.1-0.4 s each), and prefill micro-batches come in many shapes (BENCHMARKS.md, "Prefill"); the others
+# need no plan.
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 class DecodeEngine:
-    def __init__(self, model: PreTrainedModel, prefill_tokens: int = 4096, cuda_graph: bool = True,
-                 compile_steps: bool | None = None, sync_every: int = 16, decode: Callable[[list[int]], str] | None = None):
+    def __init__(self, model: PreTrainedModel, prefill_tokens: int = 8192, cuda_graph: bool = True,
+                 compile_steps: bool | None = None, sync_every: int = 16, decode: Callable[[list[int]], str] | None = None,
+                 refill: float = 1 / 8):
         """``decode`` (token ids -> text) is needed for stop strings; ``sync_every`` bounds the steps between two
-        looks at the tokens (EOS and stop strings are found that late, length limits exactly)."""
-        self.model, self.decode_step = model, DecodeStep(model, compile_steps)
+        looks at the tokens (EOS and stop strings are found that late, length limits exactly); ``refill``: the
+        fraction of the slots that must be free before waiting sequences are admitted while others decode."""
+        # Prefill through the "kivi" attention: exact, and soft-capped where the model asks (SDPA has no soft-capping).
+        self.model, self.decode_step = enable_kivi(model), DecodeStep(model, compile_steps)
         self.prefill_tokens, self.cuda_graph, self.sync_every, self.decode = prefill_tokens, cuda_graph, sync_every, decode
+        self.refill = refill
         self.device, self.dtype = model.device, model.dtype
 
     def run(self, prompts: list[list[int]], new_tokens: int, kivi: KiviConfig | None) -> DecodeRun:
@@ -122,17 +135,6 @@ class _Live:
     tokens: list[int] = field(default_factory=list)
 
 
-@dataclass
-class _Prefill:
-    """A unit of prefill work: a micro-batch of prompts, or the chunks of one long prompt."""
-
-    rows: list[int]  # sequence indices
-    slots: list[int]
-    began: float
-    kv: DynamicCache | None = None  # a chunked prompt's keys and values so far
-    done: int = 0  # tokens of a chunked prompt already run
-
-
 class _Batch:
     """The state of one ``DecodeEngine.generate`` call."""
 
@@ -143,7 +145,7 @@ class _Batch:
         self.history = torch.empty(slots, sync_every, dtype=torch.long, device=device)
         order = sorted(range(len(sequences)), key=lambda i: -(len(sequences[i].prompt) + sequences[i].max_new_tokens))
         self.waiting, self.free = deque(order), list(range(slots))
-        self.prefills: deque[_Prefill] = deque()
+        self.refill = max(1, round(slots * engine.refill))
         self.live: dict[int, _Live] = {}  # slot -> sequence
         self.completions: list[Completion | None] = [None] * len(sequences)
         self.graph = None
@@ -151,77 +153,62 @@ class _Batch:
         self.steps = self.admissions = 0
 
     def run(self) -> list[Completion]:
-        while self.waiting or self.prefills or self.live:
-            self._admit()
-            if not self.live:  # nothing decodes: nothing waits for the prefill
-                while self.prefills:
-                    self._prefill_one()
-                continue
-            if self.prefills:  # one unit between two segments, so that the live sequences go on
-                self._prefill_one()
-            self._segment()
+        while self.waiting or self.live:
+            if self.waiting and self.free and (not self.live or len(self.free) >= min(self.refill, len(self.waiting))):
+                self._admit()
+            if self.live:
+                self._segment()
         return self.completions
 
     def _admit(self) -> None:
+        """Free slots take waiting sequences; their prompts run, micro-batch by micro-batch."""
+        began = time.perf_counter()
         taken = []
         while self.free and self.waiting:
             taken.append((self.waiting.popleft(), self.free.pop(0)))
-        if not taken:
-            return
-        now = time.perf_counter()
         lengths = [len(self.sequences[row].prompt) for row, _ in taken]
-        for group in _micro_batches(lengths, self.engine.prefill_tokens):
-            self.prefills.append(_Prefill([taken[j][0] for j in group], [taken[j][1] for j in group], now))
-
-    def _prefill_one(self) -> None:
-        began = time.perf_counter()
-        job = self.prefills[0]
-        first = self._forward(job)
-        if first is not None:
-            self.prefills.popleft()
-            self._start(job, first)
-        self._sync()
+        groups, firsts = list(_micro_batches(lengths, self.engine.prefill_tokens)), []
+        for group in groups:
+            rows, slots = [taken[j][0] for j in group], torch.tensor([taken[j][1] for j in group], device=self.engine.device)
+            first = self._prefill([self.sequences[row].prompt for row in rows], slots)
+            self.tokens[slots] = first
+            firsts.append(first)
+        self.admissions += len(taken)
+        in_order = [taken[j] for group in groups for j in group]
+        for (row, slot), token in zip(in_order, torch.cat(firsts).tolist()):  # the admission's one host copy
+            self.live[slot] = _Live(row, began, [token])
+            self._check(slot, 0)
         self.prefill_s += time.perf_counter() - began
 
     def _sync(self) -> None:
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
 
-    def _forward(self, job: _Prefill) -> list[int] | None:
-        """Run the job's next unit through the stock model; the first greedy tokens once its prompts are done."""
-        engine, prompts = self.engine, [self.sequences[row].prompt for row in job.rows]
-        model, base, device = engine.model, engine.model.get_decoder(), engine.device
-        chunk = engine.prefill_tokens
-        if len(prompts) == 1 and len(prompts[0]) > chunk:  # a long prompt: one chunk per unit, exact attention
-            job.kv = job.kv or DynamicCache(config=model.config)
-            ids = torch.tensor([prompts[0][job.done : job.done + chunk]], device=device)
-            hidden = base(input_ids=ids, past_key_values=job.kv, use_cache=True).last_hidden_state
-            job.done += ids.shape[1]
-            if job.done < len(prompts[0]):
-                return None
-            lengths, kv, last = torch.tensor([len(prompts[0])]), job.kv, hidden[:, -1]
-        else:
-            lengths = torch.tensor([len(p) for p in prompts])
-            width = int(lengths.max())
-            ids = torch.zeros(len(prompts), width, dtype=torch.long)
-            for j, prompt in enumerate(prompts):
-                ids[j, : len(prompt)] = torch.as_tensor(prompt)
-            mask = torch.arange(width)[None, :] < lengths[:, None]
-            kv = DynamicCache(config=model.config)
-            hidden = base(input_ids=ids.to(device), attention_mask=mask.to(device), past_key_values=kv,
-                          use_cache=True).last_hidden_state
-            last = hidden[torch.arange(len(prompts), device=device), lengths.to(device) - 1]
-        slots = torch.tensor(job.slots, device=device)
-        first = model.lm_head(last).argmax(-1)
+    def _prefill(self, prompts: list[list[int]], slots: torch.Tensor) -> torch.Tensor:
+        """Run prompts through the stock model (one right-padded micro-batch, or one long prompt in chunks), store
+        their keys and values into ``slots``; the first token of each (from the model's own logits), on the device."""
+        engine, device = self.engine, self.engine.device
+        kv = DynamicCache()  # every position: a sliding layer loads its window from them
+        with sdpa_kernel(PREFILL_SDPA):
+            if len(prompts) == 1:  # chunks of one prompt (one chunk when it is short), exact attention over the cache
+                for start in range(0, len(prompts[0]), engine.prefill_tokens):
+                    ids = torch.tensor([prompts[0][start : start + engine.prefill_tokens]], device=device)
+                    logits = engine.model(input_ids=ids, past_key_values=kv, use_cache=True, logits_to_keep=1).logits[:, -1]
+                lengths = torch.tensor([len(prompts[0])])
+            else:
+                lengths = torch.tensor([len(p) for p in prompts])
+                width = int(lengths.max())
+                ids = torch.zeros(len(prompts), width, dtype=torch.long)
+                for j, prompt in enumerate(prompts):
+                    ids[j, : len(prompt)] = torch.as_tensor(prompt)
+                mask = torch.arange(width)[None, :] < lengths[:, None]
+                # The logits at each prompt's last position: the columns the prompts end at, then each row's own.
+                ends, at = torch.unique(lengths - 1, return_inverse=True)
+                logits = engine.model(input_ids=ids.to(device), attention_mask=mask.to(device), past_key_values=kv,
+                                      use_cache=True, logits_to_keep=ends.to(device)).logits
+                logits = logits[torch.arange(len(prompts), device=device), at.to(device)]
         self.cache.load(slots, [(layer.keys, layer.values) for layer in kv.layers], lengths)
-        self.tokens[slots] = first
-        return first.tolist()
-
-    def _start(self, job: _Prefill, first: list[int]) -> None:
-        self.admissions += len(job.rows)
-        for row, slot, token in zip(job.rows, job.slots, first):
-            self.live[slot] = _Live(row, job.began, [token])
-            self._check(slot, 0)
+        return logits.argmax(-1)
 
     def _segment(self) -> None:
         began = time.perf_counter()

@@ -1,135 +1,173 @@
-"""One decode step of a stock transformers decoder over a SlotCache, with fixed shapes for a CUDA graph.
+"""One decode step of a transformers decoder over a SlotCache: the model's own forward, with fixed shapes.
 
-``transformers.generate`` spends most of a decode step in Python (tens of ms per step for a 7B model at any
-batch). Here a step walks the model's own modules: embeddings and rotary tables, then per layer the input
-norm, q/k/v projections and rotation, the cache's ``step`` (store the token, attend, KIVI's flush, all on
-the device), o projection, residual, post-attention norm, MLP, residual; final norm, LM head, argmax, then
-the positions of the active slots + 1. Every shape is fixed for a cache's lifetime, so on CUDA the step is
-captured once in a CUDA graph and replayed; elsewhere it runs eagerly.
+A step is the stock model's ``forward`` on one token per slot: ``position_ids`` from the slot positions (a device
+buffer), the SlotCache as ``past_key_values``, ``logits_to_keep=1``, every attention layer through "kivi-slots"
+(``kivi.slot_attention``: the step's key and value stored, attention, KIVI's flush, all on the device); then the
+next tokens are chosen and the active slots' positions advance. Whatever the model does around its attention
+(q/k norms, soft-capping, fused projections, post-norms, embedding and residual multipliers, sliding-window
+layers) is its own code, so every decoder transformers implements with the attention interface is driven the
+same way. Shapes are fixed for a cache's lifetime: on CUDA one step is captured in a CUDA graph and replayed, and
+the forward is compiled (the slot attention is one opaque operator, so torch.compile fuses everything between
+two attentions); elsewhere it runs eagerly.
 
-On CUDA the parts between two attentions are compiled (torch.compile, one graph shared by every layer): a
-7B model's step is otherwise about 1,300 small kernels, half of its time at batch 1. The layer structure is
-the pre-norm decoder of Llama, Mistral and Qwen2; ``unsupported`` says why another model is not driven.
+``unsupported`` says, before any weights load (the model may live on the meta device), why a model cannot be
+driven: its config (kivi.layout: full and sliding-window layers only; rotary frequencies fixed), then one
+forward with a probe attention that records what each layer hands its attention function.
 """
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable
 
 import torch
-from transformers import PreTrainedModel
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kivi.cache import mixed_layer_types
+from kivi.attention import unapplied_arguments
+from kivi.layout import attention_layers, dynamic_rope, model_head_dim, unsupported_layout
+from kivi.slot_attention import stepping
 from kivi.slot_cache import SlotCache
 
-LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+PROBE = "kivi-probe"
 
 
 class UnsupportedModelError(ValueError):
-    """The model's layout is not the decoder-only one the step drives."""
+    """The model cannot be driven by the decode step."""
 
 
 def unsupported(model: PreTrainedModel) -> str | None:
     """Why the step cannot drive this model (None when it can)."""
-    base = model.get_decoder()
-    missing = [n for n in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, n)]
-    missing += [] if hasattr(model, "lm_head") else ["lm_head"]
-    layer = base.layers[0] if hasattr(base, "layers") else None
-    missing += [f"layers[0].{n}" for n in LAYER_PARTS if not hasattr(layer, n)]
-    attn = getattr(layer, "self_attn", None)
-    missing += [f"self_attn.{n}" for n in ATTENTION_PARTS if not hasattr(attn, n)]
-    extra = [f"self_attn.{n}" for n in ("q_norm", "k_norm") if hasattr(attn, n)]
-    if _rotation(attn) is None:
-        missing.append("apply_rotary_pos_emb")
-    if missing or extra:
-        return (f"{type(model).__name__}: the decode engine drives pre-norm decoders laid out as Llama, Mistral or Qwen2 "
-                f"({', '.join(LAYER_PARTS)}; attention {', '.join(ATTENTION_PARTS)}, apply_rotary_pos_emb); "
-                f"missing {missing}, unexpected {extra}")
-    if layer_types := mixed_layer_types(model.config.get_text_config(decoder=True)):
-        return f"{type(model).__name__}: the decode engine supports full-attention layers only, not {layer_types}"
+    text = model.config.get_text_config(decoder=True)
+    name = type(model).__name__
+    if reason := unsupported_layout(text):
+        return f"{name}: {reason}"
+    if rope := dynamic_rope(text):
+        return (f"{name}: {rope!r} rotary scaling sets its frequencies from the current length, which differs per slot; "
+                f"a batch would not give each sequence the frequencies it has alone")
+    try:
+        calls = _probe(model)
+    except Exception as err:  # noqa: BLE001 - whatever the forward raised is the reason it cannot be driven
+        return f"{name}: a decode step of its forward failed on the {model.device.type} device: {type(err).__name__}: {err}"
+    layers = attention_layers(text)
+    if [c.layer for c in calls] != list(range(len(layers))):
+        return (f"{name}: its forward called the attention interface for layers {[c.layer for c in calls]}, not once "
+                f"for each of its {len(layers)} layers in order (layers without standard attention)")
+    for call, layer in zip(calls, layers):
+        if problem := call.problem(text, layer):
+            return f"{name}: layer {call.layer}: {problem}"
     return None
 
 
-def _rotation(attn):
-    """The attention module's own apply_rotary_pos_emb (its modeling file's)."""
-    return getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+class _ProbeCall:
+    def __init__(self, layer: int, stored: bool, query, key, value, kwargs: dict):
+        self.layer, self.stored, self.kwargs = layer, stored, kwargs
+        self.shapes = tuple(tuple(t.shape) for t in (query, key, value))
+
+    def problem(self, text, layer) -> str | None:
+        (_, q_heads, q_len, dim), key, value = self.shapes
+        if not self.stored:
+            return "its keys and values are not stored in the cache (shared from another layer?)"
+        if key != value or key[1:] != (text.num_key_value_heads, q_len, model_head_dim(text)) or dim != key[3]:
+            return f"query {self.shapes[0]}, key {key} and value {value} are not [B, H, 1, head_dim] of one head size"
+        if q_heads % key[1]:
+            return f"{q_heads} query heads do not share {key[1]} KV heads evenly"
+        if unapplied := unapplied_arguments(self.kwargs):
+            return f"its attention takes {unapplied}, which the KIVI attentions do not apply"
+        if self.kwargs.get("sliding_window") != layer.window:
+            return (f"its attention slides over {self.kwargs.get('sliding_window')} tokens where its config declares "
+                    f"{layer.window}")
+        return None
+
+
+class _ProbeLayer(CacheLayerMixin):
+    is_sliding = False
+
+    def __init__(self, stored: list[int], layer: int):
+        super().__init__()
+        self.stored, self.layer = stored, layer
+
+    def lazy_initialization(self, key_states, value_states):
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.stored.append(self.layer)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        raise NotImplementedError("the forward reads the cache's length, which differs per slot")
+
+    def get_mask_sizes(self, query_length: int):
+        raise NotImplementedError("the forward builds a mask from the cache")
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+def _probe(model: PreTrainedModel) -> list[_ProbeCall]:
+    """Run one decode step of two slots through the model's forward with a recording attention."""
+    text = model.config.get_text_config(decoder=True)
+    stored: list[int] = []
+    cache = Cache(layers=[_ProbeLayer(stored, i) for i in range(text.num_hidden_layers)])
+    calls: list[_ProbeCall] = []
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        calls.append(_ProbeCall(module.layer_idx, module.layer_idx in stored, query, key, value, kwargs))
+        return torch.zeros_like(query).transpose(1, 2), None
+
+    AttentionInterface.register(PROBE, record)
+    before = model.config._attn_implementation
+    model.config._attn_implementation = PROBE
+    try:
+        tokens = torch.zeros(2, 1, dtype=torch.long, device=model.device)
+        with torch.inference_mode():
+            model(input_ids=tokens, position_ids=tokens + 3, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    finally:
+        model.config._attn_implementation = before
+    return calls
+
+
+def _next_logits(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+    """The model's forward on one token per slot: logits [B, V] of the next token."""
+    out = model(input_ids=tokens[:, None], position_ids=positions[:, None].long(), past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
 
 
 class DecodeStep:
     """The step function of one model: ``step(cache, tokens)`` eagerly, ``capture(cache, tokens)`` as a graph."""
 
     def __init__(self, model: PreTrainedModel, compile_steps: bool | None = None):
-        """``compile_steps`` (default: on CUDA) compiles the parts between attentions."""
+        """``compile_steps`` (default: on CUDA) compiles the forward and the choice of the next tokens."""
         if reason := unsupported(model):
             raise UnsupportedModelError(reason)
-        self.model, self.base = model, model.get_decoder()
-        self.layers = list(self.base.layers)
-        self.rotate = _rotation(self.layers[0].self_attn)
+        self.model = model
         compile_steps = model.device.type == "cuda" if compile_steps is None else compile_steps
-        wrap = torch.compile if compile_steps else (lambda fn: fn)
-        self._enter, self._between, self._exit = wrap(_enter), wrap(_between), wrap(_exit)
+        self._logits: Callable = torch.compile(_next_logits, fullgraph=True) if compile_steps else _next_logits
 
-    def step(self, cache: SlotCache, tokens: torch.Tensor) -> None:
-        """One decode step for every slot: tokens [B] in, the next greedy tokens written back into it."""
-        base, layers = self.base, self.layers
-        hidden, rotary, (q, k, v) = self._enter(base.embed_tokens, base.rotary_emb, layers[0], tokens,
-                                                cache.positions, self.rotate)
-        for i, layer in enumerate(layers):
-            attn = cache.layers[i].step(q, k, v, layer.self_attn.scaling)
-            if i + 1 < len(layers):
-                hidden, (q, k, v) = self._between(layer, layers[i + 1], hidden, attn, rotary, self.rotate)
-            else:
-                tokens.copy_(self._exit(layer, base.norm, self.model.lm_head, hidden, attn))
+    def step(self, cache: SlotCache, tokens: torch.Tensor, choose: Callable = greedy) -> None:
+        """One decode step for every slot: tokens [B] in, the next tokens (``choose(logits)``) written back into it."""
+        with stepping(self.model, cache):
+            tokens.copy_(choose(self._logits(self.model, tokens, cache.positions, cache)))
         cache.advance()
 
-    def capture(self, cache: SlotCache, tokens: torch.Tensor) -> torch.cuda.CUDAGraph:
-        """Warm up, then capture one step. The warm-up step (it compiles the kernels and sets up cuBLAS) writes only
-        what the first real step rewrites; a second one would overwrite value-ring rows that step still reads."""
+    def capture(self, cache: SlotCache, tokens: torch.Tensor, choose: Callable = greedy) -> torch.cuda.CUDAGraph:
+        """Warm up, then capture one step. The warm-up step (it compiles the forward and the kernels and sets up
+        cuBLAS) writes only what the first real step rewrites; a second one would overwrite value-ring rows that
+        step still reads."""
         device = tokens.device
         saved = cache.positions.clone(), tokens.clone()
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            self.step(cache, tokens)
+            self.step(cache, tokens, choose)
         torch.cuda.current_stream(device).wait_stream(side)
         cache.positions.copy_(saved[0])
         tokens.copy_(saved[1])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.step(cache, tokens)
+            self.step(cache, tokens, choose)
         return graph
-
-
-# The step between two attentions, in the modules' own order (transformers' LlamaDecoderLayer, LlamaAttention).
-
-def _qkv(layer, hidden: torch.Tensor, rotary, rotate):
-    """Input norm, projections and rotation of ``layer``: q, k, v [B, H, 1, D]."""
-    attn = layer.self_attn
-    x = layer.input_layernorm(hidden)
-    shape = (*x.shape[:-1], -1, attn.head_dim)
-    q, k, v = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-    q, k = rotate(q, k, *rotary)
-    return q, k, v
-
-
-def _finish(layer, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """The rest of ``layer`` after its attention output [B, Hq, 1, D]: o projection, residuals, MLP."""
-    hidden = hidden + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-
-
-def _enter(embed, rotary_emb, layer, tokens: torch.Tensor, positions: torch.Tensor, rotate):
-    hidden = embed(tokens[:, None])
-    rotary = rotary_emb(hidden, position_ids=positions[:, None].long())
-    return hidden, rotary, _qkv(layer, hidden, rotary, rotate)
-
-
-def _between(layer, next_layer, hidden: torch.Tensor, attn_out: torch.Tensor, rotary, rotate):
-    hidden = _finish(layer, hidden, attn_out)
-    return hidden, _qkv(next_layer, hidden, rotary, rotate)
-
-
-def _exit(layer, norm, lm_head, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """The greedy next tokens [B]."""
-    return lm_head(norm(_finish(layer, hidden, attn_out)[:, -1])).argmax(-1)

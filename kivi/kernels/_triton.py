@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 LOG2E = math.log2(math.e)  # softmax in base 2: exp(x) = exp2(x * LOG2E)
+_TWO_LOG2E = tl.constexpr(2 * LOG2E)
 
 
 def split_count(batch: int, kv_heads: int, max_tokens: int, min_tokens: int, cap: int, per_sm: int,
@@ -17,6 +18,21 @@ def split_count(batch: int, kv_heads: int, max_tokens: int, min_tokens: int, cap
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     wanted = triton.cdiv(per_sm * sms, batch * kv_heads)
     return max(1, min(wanted, max_tokens // min_tokens, cap))
+
+
+def log2_cap(softcap: float | None) -> float:
+    """A soft-capping threshold in the kernels' log2 units (logits there are natural logits * LOG2E); 0: none."""
+    return (softcap or 0.0) * LOG2E
+
+
+@triton.jit
+def soft_cap(s, cap, SOFTCAP: tl.constexpr):
+    """cap * tanh(s / cap) (Gemma 2's attention soft-capping; s and cap in log2 units); s itself without SOFTCAP.
+    tanh from exp2, which the interpreter runs too: tanh(y) = 1 - 2 / (1 + e^2y)."""
+    if SOFTCAP:
+        return cap - 2.0 * cap / (1.0 + tl.exp2(s * (_TWO_LOG2E / cap)))
+    else:
+        return s
 
 
 @triton.jit

@@ -36,11 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kivi.kernels._triton import LOG2E, merge_splits, split_count, split_targets, store_split
+from kivi.kernels._triton import LOG2E, log2_cap, merge_splits, soft_cap, split_count, split_targets, store_split
 from kivi.config import KiviConfig
 from kivi.quant import StreamBuffers, codes_per_word
 
-HEAD_DIMS = (64, 128)  # head sizes checked on the GPU
+HEAD_DIMS = (64, 128, 256)  # head sizes checked on the GPU
 TAIL_BLOCK = tl.constexpr(16)  # tokens per tail block: divides every group size (>= 16), so one key group per block
 
 
@@ -104,9 +104,9 @@ def _code_rows(words, J: tl.constexpr, BITS: tl.constexpr, GPU: tl.constexpr):
 
 
 @triton.jit
-def _fast_tile(q, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+def _fast_tile(q, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cap,
                HEAD_DIM: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
-               ROWS: tl.constexpr, GPU: tl.constexpr):
+               ROWS: tl.constexpr, GPU: tl.constexpr, SOFTCAP: tl.constexpr):
     """One fast tile: keys and values of tokens t * TILE .. (t + 1) * TILE (TILE = ROWS * cpw_k), all quantized.
 
     q [D, HP] fp32 (scaled, log2 units); accs: per value code pair i (codes i and i + cpw_v / 2 of each word),
@@ -150,7 +150,7 @@ def _fast_tile(q, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_pt
         s = tl.reshape(tl.dot(_code_rows(words, j, BITS_K, GPU), qs), (2, ROWS, TG, HP, 2))
         s = tl.sum(tl.sum(tl.where(own[None, :, :, None, None], s, 0.0), axis=4), axis=2)  # [2, ROWS, HP]
         parts = parts + (s * (1.0 / (1 << LIFT[BITS_K][j])) + qz[None, :, :],)
-    logits = tl.reshape(tl.permute(_stack(parts), (0, 1, 3, 2)), (TILE, HP))
+    logits = soft_cap(tl.reshape(tl.permute(_stack(parts), (0, 1, 3, 2)), (TILE, HP)), cap, SOFTCAP)
 
     m_new = tl.maximum(m_i, tl.max(logits, axis=0))
     alpha = tl.exp2(m_i - m_new)
@@ -209,9 +209,10 @@ def _dot_split(a, b, acc, GPU: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(s, valid, m_i, l_i):
-    """Online softmax (base 2) over logits s [HP, N] (``valid`` columns only): p, the rescale factor, m, l."""
-    s = tl.where(valid[None, :], s, float("-inf"))
+def _softmax_step(s, valid, m_i, l_i, cap, SOFTCAP: tl.constexpr):
+    """Online softmax (base 2) over logits s [HP, N] (``valid`` columns only, soft-capped at ``cap`` with SOFTCAP):
+    p, the rescale factor, m, l."""
+    s = tl.where(valid[None, :], soft_cap(s, cap, SOFTCAP), float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -220,9 +221,9 @@ def _softmax_step(s, valid, m_i, l_i):
 
 @triton.jit
 def _tail_block(q, acc, accq, accz, m_i, l_i, i0, n_qk, n_qv, n_tok,
-                kc_ptr, ks_ptr, kz_ptr, kr_ptr, vc_ptr, vs_ptr, vz_ptr, vr_ptr, vr_rows,
+                kc_ptr, ks_ptr, kz_ptr, kr_ptr, vc_ptr, vs_ptr, vz_ptr, vr_ptr, vr_rows, cap,
                 HEAD_DIM: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
-                V_RING: tl.constexpr, GPU: tl.constexpr):
+                V_RING: tl.constexpr, GPU: tl.constexpr, SOFTCAP: tl.constexpr):
     """Positions i0 .. i0 + TAIL_BLOCK (after the sinks), each key and value from its codes or its residual.
 
     Codes enter the dots as exact 16-bit numbers and their scales fold into the other operand, as in the fast
@@ -253,7 +254,7 @@ def _tail_block(q, acc, accq, accz, m_i, l_i, i0, n_qk, n_qv, n_tok,
     else:
         k = tl.load(kr_ptr + (i - n_qk)[None, :] * HEAD_DIM + d[:, None], mask=valid[None, :], other=0.0)  # [D, N]
         s = _dot_split(q, k, zero_logits, GPU)
-    p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i)
+    p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i, cap, SOFTCAP)
 
     acc = acc * alpha[:, None]
     accq = tl.reshape(tl.reshape(accq, (HP, VG, HEAD_DIM)) * alpha[:, None, None], (HP * VG, HEAD_DIM))
@@ -305,7 +306,7 @@ def _decode_kernel(
     vc_ptr, vs_ptr, vz_ptr,  # values: codes [B, Hkv, vc_rows, D // cpw] int32, scale/zero [B, Hkv, vc_rows, D // G]
     vr_ptr,  # value residual [B, Hkv, vr_rows, D]: positions n_qv.. in order, or a ring (V_RING)
     counts_ptr,  # int32 [4, B]: sinks, quantized keys, quantized values, tokens after the sinks
-    batch, kv_heads, num_splits, qk_scale,
+    batch, kv_heads, num_splits, qk_scale, cap,  # cap: soft-capping threshold in log2 units (SOFTCAP)
     stride_qb, stride_qh, stride_ob, stride_oh,
     sink_rows, kc_rows, ks_rows, kr_rows, vc_rows, vr_rows,
     HG: tl.constexpr,  # query heads per KV head
@@ -315,6 +316,7 @@ def _decode_kernel(
     SINGLE: tl.constexpr,  # num_splits == 1: write the final output
     GPU: tl.constexpr,  # compiled for CUDA: PTX unpacking, 16-bit tensor-core dots (off in the interpreter)
     V_RING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     CPW_V: tl.constexpr = 32 // BITS_V
     TILE: tl.constexpr = ROWS * (32 // BITS_K)
@@ -356,7 +358,7 @@ def _decode_kernel(
     qt = tl.trans(q)
     for t in range(lo, hi):
         accs, accz, m_i, l_i = _fast_tile(qt, accs, accz, m_i, l_i, t, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-                                          HEAD_DIM, BITS_K, BITS_V, GROUP, ROWS, GPU)
+                                          cap, HEAD_DIM, BITS_K, BITS_V, GROUP, ROWS, GPU, SOFTCAP)
     acc = _fold(accs, accz, HEAD_DIM, BITS_V, GROUP)
 
     # The tail, dealt out block by block from the last split (it owns the fewest fast tiles) backwards: on the
@@ -367,7 +369,7 @@ def _decode_kernel(
     for t in range(first, tl.cdiv(n_tok, TAIL_BLOCK), num_splits):
         acc, accq, accz, m_i, l_i = _tail_block(
             q, acc, accq, accz, m_i, l_i, t * TAIL_BLOCK, n_qk, n_qv, n_tok, kc_ptr, ks_ptr, kz_ptr, kr_ptr,
-            vc_ptr, vs_ptr, vz_ptr, vr_ptr, vr_rows, HEAD_DIM, BITS_K, BITS_V, GROUP, V_RING, GPU)
+            vc_ptr, vs_ptr, vz_ptr, vr_ptr, vr_rows, cap, HEAD_DIM, BITS_K, BITS_V, GROUP, V_RING, GPU, SOFTCAP)
     acc += _fold_groups(accq, accz, HEAD_DIM, GROUP)
 
     # The sinks, few, on the last split.
@@ -378,7 +380,8 @@ def _decode_kernel(
             valid = i < n_sink
             k = tl.load(k_sink_ptr + i[None, :] * HEAD_DIM + d[:, None], mask=valid[None, :], other=0.0)  # [D, N]
             v = tl.load(v_sink_ptr + i[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
-            p, alpha, m_i, l_i = _softmax_step(_dot_split(q, k, tl.zeros([HP, TAIL_BLOCK], tl.float32), GPU), valid, m_i, l_i)
+            p, alpha, m_i, l_i = _softmax_step(_dot_split(q, k, tl.zeros([HP, TAIL_BLOCK], tl.float32), GPU), valid, m_i,
+                                               l_i, cap, SOFTCAP)
             acc = _dot_split(p, v, acc * alpha[:, None], GPU)
 
     store_split(acc, m_i, l_i, out_ptr, lse_ptr, b, h, split, kv_heads, num_splits, stride_ob, stride_oh, HG, SINGLE)
@@ -423,6 +426,7 @@ def decode_attention(
     out: torch.Tensor | None = None,  # [B, Hq, 1, D], any float dtype (tests pass float32 to see unrounded results)
     num_stages: int | None = None,  # software pipelining; None: measured fastest (``default_num_stages``)
     v_ring: bool = False,
+    softcap: float | None = None,  # logits soft-capped at softcap * tanh(logit / softcap) (Gemma 2)
 ) -> torch.Tensor:
     """Decode attention over KIVI buffers in the layout of ``kivi.quant``. Returns ``out``.
 
@@ -468,11 +472,12 @@ def decode_attention(
     kq, vq = keys.packed, values.packed
     _decode_kernel[(batch * kv_heads, num_splits)](
         query, target, lse, keys.sink, values.sink, kq.codes, kq.scale, kq.zero, keys.resid, vq.codes, vq.scale, vq.zero,
-        values.resid, counts, batch, kv_heads, num_splits, scaling * LOG2E,
+        values.resid, counts, batch, kv_heads, num_splits, scaling * LOG2E, log2_cap(softcap),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         sinks, kq.codes.shape[2], k_groups, keys.resid.shape[2], v_tokens, values.resid.shape[2],
         HG=group_heads, HP=triton.next_power_of_2(group_heads), HEAD_DIM=dim, BITS_K=k_bits, BITS_V=v_bits,
-        GROUP=group_size, ROWS=tile_rows(k_bits, group_size), SINGLE=num_splits == 1, GPU=query.is_cuda, V_RING=v_ring, num_warps=1, num_stages=num_stages,
+        GROUP=group_size, ROWS=tile_rows(k_bits, group_size), SINGLE=num_splits == 1, GPU=query.is_cuda, V_RING=v_ring,
+        SOFTCAP=softcap is not None, num_warps=1, num_stages=num_stages,
     )
     if num_splits > 1:
         merge_splits(target, lse, out)

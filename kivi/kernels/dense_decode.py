@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kivi.kernels._triton import LOG2E, merge_splits, split_count, split_targets, store_split
+from kivi.kernels._triton import LOG2E, log2_cap, merge_splits, soft_cap, split_count, split_targets, store_split
 
 BLOCK_N = 64
 
@@ -24,9 +24,10 @@ def _dense_decode_kernel(
     len_ptr,  # int32 [B]: tokens to attend per sequence
     out_ptr,  # SINGLE: [B, Hq, D] (strides stride_ob, stride_oh, 1); else fp32 partials [B, Hq, num_splits, D]
     lse_ptr,  # fp32 [B, Hq, num_splits]
-    kv_heads, num_splits, capacity, qk_scale,
+    kv_heads, num_splits, capacity, qk_scale, cap,  # cap: soft-capping threshold in log2 units (SOFTCAP)
     stride_qb, stride_qh, stride_ob, stride_oh,
     HG: tl.constexpr, HP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     bh, split = tl.program_id(0), tl.program_id(1)
     b, h = bh // kv_heads, bh % kv_heads
@@ -49,7 +50,7 @@ def _dense_decode_kernel(
         rows = base + tok[:, None] * HEAD_DIM + d[None, :]
         k = tl.load(k_ptr + rows, mask=inside[:, None], other=0.0)
         v = tl.load(v_ptr + rows, mask=inside[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [HP, BLOCK_N] log2 units
+        s = soft_cap(tl.dot(q, tl.trans(k)) * qk_scale, cap, SOFTCAP)  # [HP, BLOCK_N] log2 units
         s = tl.where(inside[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -66,9 +67,11 @@ def default_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.d
 
 
 def dense_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                           scaling: float, num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of query [B, Hq, 1, D] over the first ``lengths[b]`` (>= 1) positions of keys/values
-    [B, Hkv, capacity, D] (16-bit, contiguous); lengths int32 [B] on the device. Returns out [B, Hq, 1, D]."""
+                           scaling: float, num_splits: int, out: torch.Tensor | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
+    """Attention of query [B, Hq, 1, D] over the first ``lengths[b]`` (>= 1) rows of keys/values
+    [B, Hkv, capacity, D] (16-bit, contiguous; any order of positions: a window's ring too); lengths int32 [B] on
+    the device; logits soft-capped at ``softcap`` where given. Returns out [B, Hq, 1, D]."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, capacity = keys.shape[1], keys.shape[2]
     if q_len != 1 or q_heads % kv_heads or dim & (dim - 1):
@@ -88,10 +91,10 @@ def dense_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     target, lse = split_targets(out, num_splits)
     group_heads = q_heads // kv_heads
     _dense_decode_kernel[(batch * kv_heads, num_splits)](
-        query, keys, values, lengths, target, lse, kv_heads, num_splits, capacity, scaling * LOG2E,
+        query, keys, values, lengths, target, lse, kv_heads, num_splits, capacity, scaling * LOG2E, log2_cap(softcap),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         HG=group_heads, HP=max(16, triton.next_power_of_2(group_heads)),  # tl.dot needs M >= 16
-        HEAD_DIM=dim, BLOCK_N=BLOCK_N, SINGLE=num_splits == 1, num_warps=4,
+        HEAD_DIM=dim, BLOCK_N=BLOCK_N, SINGLE=num_splits == 1, SOFTCAP=softcap is not None, num_warps=4,
     )
     if num_splits > 1:
         merge_splits(target, lse, out)

@@ -1,9 +1,11 @@
 """SlotCache decode steps on the kernels (dense decode, KIVI decode over the value ring, the flush kernel)
-against the same steps on the kivi/ oracle, from prompts of ragged lengths through several flushes."""
+against the same steps on the kivi/ oracle, from prompts of ragged lengths through several flushes: grouped and
+single KV heads, head sizes of 64, 256 and 96 (stored padded to 128 for the kernels), soft-capped logits, and a
+sliding-window layer's ring."""
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MistralConfig
 
 from kivi.kernels.dense_decode import dense_decode_attention
 from kivi.attention import attention_over_cache
@@ -20,14 +22,15 @@ CACHES = {
     "kivi-2 G32 R32": KiviConfig(group_size=32, residual_length=32),
     "k4 v2 G16 R0": KiviConfig(k_bits=4, v_bits=2, group_size=16, residual_length=0),
 }
-HEADS = {"MHA D64": (2, 2, 64), "GQA-3 D64 (SmolLM2)": (6, 2, 64)}
+HEADS = {"MHA D64": (2, 2, 64), "GQA-3 D64 (SmolLM2)": (6, 2, 64), "MQA D256 (Gemma 3)": (4, 1, 256),
+         "D96 (Phi-3)": (2, 2, 96)}
 
 
-def twin_caches(kivi, heads, gen):
+def twin_caches(kivi, heads, gen, window=None):
     """Two SlotCaches holding the same prompts: one on the kernels, one on the oracle."""
     q_heads, kv_heads, dim = heads
-    config = LlamaConfig(hidden_size=q_heads * dim, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
-                         head_dim=dim, num_hidden_layers=1, intermediate_size=16, vocab_size=16)
+    config = MistralConfig(hidden_size=q_heads * dim, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
+                           head_dim=dim, num_hidden_layers=1, intermediate_size=16, vocab_size=16, sliding_window=window)
     # Right-padded prompts; the padding is random, so reading it would show.
     keys, values = outlier_kv(len(LENGTHS), kv_heads, max(LENGTHS), dim, torch.float16, DEVICE, gen)
     lengths = torch.tensor(LENGTHS)
@@ -39,6 +42,23 @@ def twin_caches(kivi, heads, gen):
     return caches
 
 
+def steps_agree(kernels, oracle, heads, gen, softcap=None):
+    q_heads, kv_heads, dim = heads
+    for _ in range(STEPS):
+        query = torch.randn(len(LENGTHS), q_heads, 1, dim, generator=gen, device=DEVICE).half()
+        key, value = outlier_kv(len(LENGTHS), kv_heads, 1, dim, torch.float16, DEVICE, gen)
+        outs = []
+        for cache in (kernels, oracle):
+            outs.append(cache.layers[0].attend(query, key, value, dim**-0.5, softcap))
+            cache.advance()
+        assert outs[0].shape == query.shape and not outs[0].isnan().any()
+        assert relative_error(*outs) <= TOLERANCE
+    assert torch.equal(kernels.positions, oracle.positions)
+    # The flush kernel wrote what the oracle's flush wrote: codes, scales, zeros, residuals (padded channels: 0).
+    for got, want in zip(kernels.layers[0]._buffers(), oracle.layers[0]._buffers(), strict=True):
+        assert torch.equal(got[..., : want.shape[-1]], want) and not got[..., want.shape[-1]:].any()
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
 @pytest.mark.parametrize("name", list(CACHES), ids=list(CACHES))
@@ -46,20 +66,27 @@ def test_static_steps_on_kernels_match_the_oracle(name, heads, num_splits):
     gen = torch.Generator(device=DEVICE).manual_seed(len(name) * 7 + len(heads))
     kernels, oracle = twin_caches(CACHES[name], HEADS[heads], gen)
     kernels.layers[0].num_splits = num_splits
-    q_heads, kv_heads, dim = HEADS[heads]
-    for _ in range(STEPS):
-        query = torch.randn(len(LENGTHS), q_heads, 1, dim, generator=gen, device=DEVICE).half()
-        key, value = outlier_kv(len(LENGTHS), kv_heads, 1, dim, torch.float16, DEVICE, gen)
-        outs = []
-        for cache in (kernels, oracle):
-            outs.append(cache.layers[0].step(query, key, value, dim**-0.5))
-            cache.advance()
-        assert not outs[0].isnan().any()
-        assert relative_error(*outs) <= TOLERANCE
-    assert torch.equal(kernels.positions, oracle.positions)
-    # The flush kernel wrote what the oracle's flush wrote: codes, scales, zeros, residuals.
-    for got, want in zip(kernels.layers[0]._buffers(), oracle.layers[0]._buffers(), strict=True):
-        assert torch.equal(got, want)
+    steps_agree(kernels, oracle, HEADS[heads], gen)
+
+
+@pytest.mark.parametrize("name", ["fp16", "kivi-2 G32 R32"])
+def test_soft_capped_steps_on_kernels_match_the_oracle(name):
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    heads = HEADS["GQA-3 D64 (SmolLM2)"]
+    kernels, oracle = twin_caches(CACHES[name], heads, gen)
+    kernels.layers[0].num_splits = 2
+    steps_agree(kernels, oracle, heads, gen, softcap=2.0)  # logits of about +-10 (outliers): the cap binds
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_a_sliding_layers_ring_on_kernels_matches_the_oracle(num_splits):
+    """Window 40: the 61- and 95-token prompts load their last 39 tokens into the ring, the 30-token one all."""
+    gen = torch.Generator(device=DEVICE).manual_seed(num_splits)
+    heads = HEADS["GQA-3 D64 (SmolLM2)"]
+    kernels, oracle = twin_caches(CACHES["kivi-2 G32 R32"], heads, gen, window=40)
+    assert kernels.layers[0].keys.shape[2] == 40
+    kernels.layers[0].num_splits = num_splits
+    steps_agree(kernels, oracle, heads, gen)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

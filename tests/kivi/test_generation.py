@@ -77,9 +77,10 @@ def test_a_kivi_cache_without_enable_kivi_fails_with_a_clear_message():
         _greedy(model, torch.randint(1, 512, (1, 20)), KiviCache(model.config, KiviConfig()), 3)
 
 
-def test_a_sliding_window_the_cache_would_ignore_is_refused():
+def test_a_sliding_window_is_kept_by_the_cache_as_the_model_applies_it():
     """Mistral's config slides every layer when ``sliding_window`` is set: past the window, a cache attending over
-    every stored token gives other tokens than the model's own attention (shown here), so KiviCache refuses it."""
+    every stored token gives other tokens than the model's own attention (shown here). KiviCache keeps each sliding
+    layer's window in the model dtype, so on a model whose every layer slides even 2-bit KIVI gives fp16's tokens."""
     config = MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=16, initializer_range=0.2)
     torch.manual_seed(0)
@@ -90,8 +91,9 @@ def test_a_sliding_window_the_cache_would_ignore_is_refused():
     unwindowed = _greedy(model, ids, DynamicCache(config=model.config), 20)
     assert not torch.equal(windowed, unwindowed)
     model.config.sliding_window = 16
-    with pytest.raises(KiviConfigError, match="sliding_attention"):
-        KiviCache(model.config, KiviConfig(k_bits=16, v_bits=16))
+    cache = KiviCache(model.config, KiviConfig(group_size=16, residual_length=16))
+    assert torch.equal(_greedy(model, ids, cache, 20), windowed)
+    assert cache.kv_bytes() == cache.fp16_kv_bytes() * 2  # float32 windows of 15 tokens: nothing quantized
 
 
 def test_model_dependent_values_are_checked_when_the_cache_is_made():

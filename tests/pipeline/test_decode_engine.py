@@ -63,12 +63,8 @@ def test_prefill_micro_batches_group_similar_lengths_within_the_token_budget():
 
 def test_engine_refuses_models_it_cannot_drive():
     model = tiny(LlamaForCausalLM, LlamaConfig, 4, 2, 64)
-    model.config.layer_types = ["sliding_attention", "full_attention"]
-    with pytest.raises(UnsupportedModelError, match="full-attention layers only"):
-        DecodeEngine(model)
-    model.config.layer_types = None
-    model.model.layers[0].self_attn.q_norm = torch.nn.Identity()  # Qwen3's layout
-    with pytest.raises(UnsupportedModelError, match=r"unexpected \['self_attn.q_norm'\]"):
+    model.config.rope_parameters = dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)
+    with pytest.raises(UnsupportedModelError, match="'dynamic' rotary scaling sets its frequencies"):
         DecodeEngine(model)
 
 
