@@ -322,11 +322,25 @@ class SlotCache(Cache):
         device = torch.device(device)
         self.state = StepState(batch, capacity, dtype, device, device.type == "cuda" if use_kernels is None else use_kernels)
         kv_heads, head_dim = text.num_key_value_heads, model_head_dim(text)
+        layers = attention_layers(text)
         super().__init__(layers=[
             DenseSlotLayer(self.state, kv_heads, head_dim, layer.window) if kivi is None or layer.sliding
             else KiviSlotLayer(self.state, kivi.for_layer(i), kv_heads, head_dim)
-            for i, layer in enumerate(attention_layers(text))
+            for i, layer in enumerate(layers)
         ])
+        self._sliding = [layer.sliding for layer in layers]
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        """As transformers' masks read it; from the layout, not the layers, so a compiled forward guards on these
+        values only (the fp16 and KIVI caches of a model share them)."""
+        return self._sliding
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Hands the step's keys and values on to the "kivi-slots" attention, which stores them (as every layer's
+        ``update`` does). Written here, reading no layer, so that a compiled forward depends on no layer's type:
+        one compiled step serves fp16 and KIVI caches alike."""
+        return key_states, value_states
 
     @property
     def positions(self) -> torch.Tensor:

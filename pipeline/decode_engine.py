@@ -86,14 +86,17 @@ PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPB
 class DecodeEngine:
     def __init__(self, model: PreTrainedModel, prefill_tokens: int = 8192, cuda_graph: bool = True,
                  compile_steps: bool | None = None, sync_every: int = 16, decode: Callable[[list[int]], str] | None = None,
-                 refill: float = 1 / 8):
+                 refill: float = 1 / 8, prefill_backends: list[SDPBackend] = PREFILL_SDPA,
+                 prefill_buckets: tuple[int, int] | None = None):
         """``decode`` (token ids -> text) is needed for stop strings; ``sync_every`` bounds the steps between two
         looks at the tokens (EOS and stop strings are found that late, length limits exactly); ``refill``: the
-        fraction of the slots that must be free before waiting sequences are admitted while others decode."""
+        fraction of the slots that must be free before waiting sequences are admitted while others decode;
+        ``prefill_backends``: the SDPA kernels a prefill may use; ``prefill_buckets`` (width, rows): micro-batches
+        padded to multiples of these, so that a kernel that plans per shape (cuDNN's) meets few shapes."""
         # Prefill through the "kivi" attention: exact, and soft-capped where the model asks (SDPA has no soft-capping).
         self.model, self.decode_step = enable_kivi(model), DecodeStep(model, compile_steps)
         self.prefill_tokens, self.cuda_graph, self.sync_every, self.decode = prefill_tokens, cuda_graph, sync_every, decode
-        self.refill = refill
+        self.refill, self.prefill_backends, self.prefill_buckets = refill, prefill_backends, prefill_buckets
         self.device, self.dtype = model.device, model.dtype
 
     def run(self, prompts: list[list[int]], new_tokens: int, kivi: KiviConfig | None) -> DecodeRun:
@@ -189,7 +192,7 @@ class _Batch:
         their keys and values into ``slots``; the first token of each (from the model's own logits), on the device."""
         engine, device = self.engine, self.engine.device
         kv = DynamicCache()  # every position: a sliding layer loads its window from them
-        with sdpa_kernel(PREFILL_SDPA):
+        with sdpa_kernel(engine.prefill_backends):
             if len(prompts) == 1:  # chunks of one prompt (one chunk when it is short), exact attention over the cache
                 for start in range(0, len(prompts[0]), engine.prefill_tokens):
                     ids = torch.tensor([prompts[0][start : start + engine.prefill_tokens]], device=device)
@@ -197,17 +200,20 @@ class _Batch:
                 lengths = torch.tensor([len(prompts[0])])
             else:
                 lengths = torch.tensor([len(p) for p in prompts])
-                width = int(lengths.max())
-                ids = torch.zeros(len(prompts), width, dtype=torch.long)
-                for j, prompt in enumerate(prompts):
-                    ids[j, : len(prompt)] = torch.as_tensor(prompt)
-                mask = torch.arange(width)[None, :] < lengths[:, None]
+                width, rows = int(lengths.max()), len(prompts)
+                if engine.prefill_buckets:  # extra rows repeat the last prompt; their results are dropped
+                    width, rows = (-(-n // b) * b for n, b in zip((width, rows), engine.prefill_buckets))
+                ids = torch.zeros(rows, width, dtype=torch.long)
+                for j in range(rows):
+                    ids[j, : len(prompts[min(j, len(prompts) - 1)])] = torch.as_tensor(prompts[min(j, len(prompts) - 1)])
+                padded = torch.cat([lengths, lengths[-1:].expand(rows - len(prompts))])
+                mask = torch.arange(width)[None, :] < padded[:, None]
                 # The logits at each prompt's last position: the columns the prompts end at, then each row's own.
                 ends, at = torch.unique(lengths - 1, return_inverse=True)
                 logits = engine.model(input_ids=ids.to(device), attention_mask=mask.to(device), past_key_values=kv,
                                       use_cache=True, logits_to_keep=ends.to(device)).logits
                 logits = logits[torch.arange(len(prompts), device=device), at.to(device)]
-        self.cache.load(slots, [(layer.keys, layer.values) for layer in kv.layers], lengths)
+        self.cache.load(slots, [(layer.keys[: len(prompts)], layer.values[: len(prompts)]) for layer in kv.layers], lengths)
         return logits.argmax(-1)
 
     def _segment(self) -> None:

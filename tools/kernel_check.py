@@ -2,7 +2,9 @@
 
 The CPU tests (tests/kernels, Triton interpreter) cover odd shapes on small inputs; this runs the compiled
 kernels on the GPU against the same oracles at serving sizes, on random K/V with outlier channels and on the
-real SmolLM2-135M K/V, and prints one table. Exits non-zero if any case fails.
+real SmolLM2-135M K/V: MHA, GQA, one KV head (MQA), head sizes 64, 128 and 256, soft-capped logits, and the slot
+cache's steps (dense and KIVI, a sliding window's ring, a head size of 96 stored padded). Prints one table; exits
+non-zero if any case fails.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ import sys
 
 import torch
 
+from transformers import MistralConfig
+
 from kivi.backend import decode_attention
 from kivi.kernels.quantize import quantize
 from kivi.config import KiviConfig
+from kivi.slot_cache import SlotCache
 from kivi.quant import GROUP_DIM, unpack
 from kivi.quant import quantize as reference_quantize
 from tools.kernel_data import REAL_KV, fill_streams, outlier_kv, reference_decode, relative_error
@@ -40,10 +45,10 @@ def check_quantize(rows: list[dict], gen: torch.Generator) -> None:
                 })
 
 
-def decode_row(name: str, query, ks, vs, **kwargs) -> dict:
+def decode_row(name: str, query, ks, vs, softcap: float | None = None, **kwargs) -> dict:
     out = torch.full(query.shape, float("nan"), dtype=torch.float32, device="cuda")
-    decode_attention(query, ks, vs, query.shape[-1] ** -0.5, out=out, **kwargs)
-    err = relative_error(out, reference_decode(query, ks, vs, query.shape[-1] ** -0.5))
+    decode_attention(query, ks, vs, query.shape[-1] ** -0.5, out=out, softcap=softcap, **kwargs)
+    err = relative_error(out, reference_decode(query, ks, vs, query.shape[-1] ** -0.5, softcap))
     return {"check": "decode", "case": name, "metric": "rel. error", "value": err, "ok": err <= TOLERANCE}
 
 
@@ -63,6 +68,41 @@ def check_decode_random(rows: list[dict], gen: torch.Generator) -> None:
             for cfg_name, (ks, vs) in streams.items():
                 rows.append(decode_row(f"{shape} {dtype_name} {cfg_name} L={lengths}", query, ks, vs))
             rows.append(decode_row(f"{shape} {dtype_name} kivi-2 one split", query, *streams["kivi-2"], num_splits=1))
+    # The layouts of current small models: one KV head, head_dim 256, and soft-capped logits (fp16: one build each).
+    for (q_heads, kv_heads, dim), shape in (((12, 2, 128), "GQA 12/2x128 (Qwen2.5-1.5B)"),
+                                            ((4, 1, 256), "MQA 4/1x256 (Gemma 3 1B)"), ((8, 4, 256), "GQA 8/4x256 (Gemma 2 2B)")):
+        keys, values = outlier_kv(len(lengths), kv_heads, max(lengths), dim, torch.float16, "cuda", gen)
+        query = torch.randn(len(lengths), q_heads, 1, dim, generator=gen, device="cuda").half()
+        ks, vs = fill_streams(keys, values, lengths, configs["kivi-2"])
+        rows.append(decode_row(f"{shape} fp16 kivi-2 L={lengths}", query, ks, vs))
+        rows.append(decode_row(f"{shape} fp16 kivi-2 soft-capped at 8", query, ks, vs, softcap=8.0))
+
+
+def check_slot_steps(rows: list[dict], gen: torch.Generator) -> None:
+    """SlotCache steps on the kernels against the same steps on the oracle (prompts loaded, four decode steps):
+    dense and KIVI layers, a sliding window's ring, soft-capping, a head size the kernels take padded."""
+    lengths = [3000, 517, 1290, 64]
+    cases = {"MHA 32x128 window 1024": ((32, 32, 128), 1024, None), "GQA 12/2x128 soft-capped at 8": ((12, 2, 128), None, 8.0),
+             "MQA 4/1x256 window 512": ((4, 1, 256), 512, None), "MHA 32x96 (Phi-3, padded to 128)": ((32, 32, 96), None, None)}
+    for name, ((q_heads, kv_heads, dim), window, softcap) in cases.items():
+        config = MistralConfig(hidden_size=q_heads * dim, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
+                               head_dim=dim, num_hidden_layers=1, intermediate_size=16, vocab_size=16, sliding_window=window)
+        keys, values = outlier_kv(len(lengths), kv_heads, max(lengths), dim, torch.float16, "cuda", gen)
+        for cache_name, kivi in (("fp16", None), ("kivi-2", KiviConfig())):
+            caches = [SlotCache(config, len(lengths), max(lengths) + 8, torch.float16, "cuda", kivi, use_kernels)
+                      for use_kernels in (True, False)]
+            for cache in caches:
+                cache.load(torch.arange(len(lengths), device="cuda"), [(keys, values)], torch.tensor(lengths))
+            worst = 0.0
+            for _ in range(4):
+                query = torch.randn(len(lengths), q_heads, 1, dim, generator=gen, device="cuda").half()
+                key, value = outlier_kv(len(lengths), kv_heads, 1, dim, torch.float16, "cuda", gen)
+                outs = [cache.layers[0].attend(query, key, value, dim**-0.5, softcap) for cache in caches]
+                for cache in caches:
+                    cache.advance()
+                worst = max(worst, relative_error(*outs))
+            rows.append({"check": "slots", "case": f"{name} {cache_name} L={lengths}", "metric": "rel. error",
+                         "value": worst, "ok": worst <= TOLERANCE})
 
 
 def check_decode_real(rows: list[dict]) -> None:
@@ -89,6 +129,7 @@ def main() -> int:
     check_quantize(rows, gen)
     check_decode_random(rows, gen)
     check_decode_real(rows)
+    check_slot_steps(rows, gen)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -43,10 +43,12 @@ def fill_streams(keys: torch.Tensor, values: torch.Tensor, lengths: list[int], c
     return streams
 
 
-def reference_decode(query: torch.Tensor, key_stream: KVStream, value_stream: KVStream, scaling: float) -> torch.Tensor:
+def reference_decode(query: torch.Tensor, key_stream: KVStream, value_stream: KVStream, scaling: float,
+                     softcap: float | None = None) -> torch.Tensor:
     """The oracle: kivi.attention over the dequantized cache, in float32 whatever the query dtype."""
     lengths = torch.tensor(key_stream.lengths)
-    return attention_over_cache(query.float(), key_stream.materialize(), value_stream.materialize(), lengths, scaling)
+    return attention_over_cache(query.float(), key_stream.materialize(), value_stream.materialize(), lengths, scaling,
+                                softcap)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
