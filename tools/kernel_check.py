@@ -117,6 +117,14 @@ def check_decode_real(rows: list[dict]) -> None:
             rows.append(decode_row(f"SmolLM2 layers {data['layers']} {dtype_name} {cfg_name}", query, ks, vs))
 
 
+class _Printed(list):
+    """The rows, each printed as it is appended (a run stopped at a time limit still shows what it checked)."""
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        print(f"{row['check']:8} {row['case']} {row['metric']} {row['value']:.2e} {'ok' if row['ok'] else 'FAILED'}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows here")
@@ -125,7 +133,7 @@ def main() -> int:
         print("tools.kernel_check needs CUDA; the CPU tests are `pytest tests/kernels`", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows: list[dict] = []
+    rows = _Printed()
     check_quantize(rows, gen)
     check_decode_random(rows, gen)
     check_decode_real(rows)
