@@ -357,9 +357,9 @@ class SlotCache(Cache):
     def load(self, rows: torch.Tensor, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor) -> None:
         """Store the prompts of sequences in slots ``rows``: per layer (keys, values) [b, Hkv, T, D], right-padded,
         every position of the prompt (a sliding layer keeps its window of them). The slots become active."""
-        lengths = lengths.to(device=self.state.device, dtype=torch.int32)
-        if int(lengths.max()) > self.capacity:
+        if lengths.device.type == "cpu" and int(lengths.max()) > self.capacity:  # (read on the device, it would sync)
             raise ValueError(f"SlotCache: a prompt of {int(lengths.max())} tokens exceeds the capacity {self.capacity}")
+        lengths = to_device(lengths.to(torch.int32), self.state.device)
         for layer, (keys, values) in zip(self.layers, layer_kv, strict=True):
             layer.load(rows, keys.to(self.state.dtype), values.to(self.state.dtype), lengths)
         self.positions[rows] = lengths
@@ -384,3 +384,11 @@ def _output(query: torch.Tensor) -> torch.Tensor:
     """The attention output [B, Hq, 1, D] with standard strides, as the slot attention operator declares it (the
     kernels' default, ``empty_like(query)``, would keep a transposed query's strides)."""
     return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without waiting for the work queued there: a copy from pageable memory
+    would drain the stream first, so every such copy would idle the GPU while the host prepares the next step."""
+    if device.type != "cuda" or x.device.type == "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)

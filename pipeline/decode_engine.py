@@ -1,7 +1,8 @@
 """Continuous batching on a static cache: the one generation engine for every workload, fp16 or KIVI.
 
 A call holds a fixed number of slots in one ``SlotCache`` (KIVI or the model dtype) and a queue of waiting
-sequences, longest first (prompt + new tokens: the longest start early instead of running alone at the end):
+sequences, longest first (new tokens in powers of two: the longest start early instead of running alone at the
+end; then prompt length, so that sequences admitted together have prompts of similar lengths):
 
 1. admission: once enough slots are free (``refill`` of them, or any when nothing decodes), each takes the next
    waiting sequence, and every admitted prompt runs through the stock model (exact attention, as KIVI
@@ -35,7 +36,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kivi import KiviConfig, enable_kivi
 from kivi.cache import FP16_BYTES
-from kivi.slot_cache import SlotCache
+from kivi.slot_cache import SlotCache, to_device
 from pipeline.decode_step import DecodeStep
 
 @dataclass(frozen=True)
@@ -146,7 +147,11 @@ class _Batch:
         device, slots = engine.device, cache.state.batch
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each step's input, then its output
         self.history = torch.empty(slots, sync_every, dtype=torch.long, device=device)
-        order = sorted(range(len(sequences)), key=lambda i: -(len(sequences[i].prompt) + sequences[i].max_new_tokens))
+        # Longest first, by new tokens in powers of two (those that decode long start early instead of running alone
+        # at the end), then by prompt length: sequences admitted together have prompts of similar lengths, so
+        # little of their prefill goes to padding.
+        order = sorted(range(len(sequences)),
+                       key=lambda i: (-sequences[i].max_new_tokens.bit_length(), -len(sequences[i].prompt)))
         self.waiting, self.free = deque(order), list(range(slots))
         self.refill = max(1, round(slots * engine.refill))
         self.live: dict[int, _Live] = {}  # slot -> sequence
@@ -172,7 +177,7 @@ class _Batch:
         lengths = [len(self.sequences[row].prompt) for row, _ in taken]
         groups, firsts = list(_micro_batches(lengths, self.engine.prefill_tokens)), []
         for group in groups:
-            rows, slots = [taken[j][0] for j in group], torch.tensor([taken[j][1] for j in group], device=self.engine.device)
+            rows, slots = [taken[j][0] for j in group], to_device(torch.tensor([taken[j][1] for j in group]), self.engine.device)
             first = self._prefill([self.sequences[row].prompt for row in rows], slots)
             self.tokens[slots] = first
             firsts.append(first)
@@ -195,7 +200,7 @@ class _Batch:
         with sdpa_kernel(engine.prefill_backends):
             if len(prompts) == 1:  # chunks of one prompt (one chunk when it is short), exact attention over the cache
                 for start in range(0, len(prompts[0]), engine.prefill_tokens):
-                    ids = torch.tensor([prompts[0][start : start + engine.prefill_tokens]], device=device)
+                    ids = to_device(torch.tensor([prompts[0][start : start + engine.prefill_tokens]]), device)
                     logits = engine.model(input_ids=ids, past_key_values=kv, use_cache=True, logits_to_keep=1).logits[:, -1]
                 lengths = torch.tensor([len(prompts[0])])
             else:
@@ -210,10 +215,12 @@ class _Batch:
                 mask = torch.arange(width)[None, :] < padded[:, None]
                 # The logits at each prompt's last position: the columns the prompts end at, then each row's own.
                 ends, at = torch.unique(lengths - 1, return_inverse=True)
-                logits = engine.model(input_ids=ids.to(device), attention_mask=mask.to(device), past_key_values=kv,
-                                      use_cache=True, logits_to_keep=ends.to(device)).logits
-                logits = logits[torch.arange(len(prompts), device=device), at.to(device)]
-        self.cache.load(slots, [(layer.keys[: len(prompts)], layer.values[: len(prompts)]) for layer in kv.layers], lengths)
+                logits = engine.model(input_ids=to_device(ids, device), attention_mask=to_device(mask, device),
+                                      past_key_values=kv, use_cache=True, logits_to_keep=to_device(ends, device)).logits
+                logits = logits[torch.arange(len(prompts), device=device), to_device(at, device)]
+        longest = int(lengths.max())  # the prompts' own rows and columns (buckets pad both)
+        self.cache.load(slots, [(layer.keys[: len(prompts), :, :longest], layer.values[: len(prompts), :, :longest])
+                                for layer in kv.layers], lengths)
         return logits.argmax(-1)
 
     def _segment(self) -> None:
@@ -258,7 +265,7 @@ class _Batch:
         keep, reason = finish
         self.completions[live.index] = Completion(tokens[:keep], reason, time.perf_counter() - live.began)
         del self.live[slot]
-        self.cache.release(torch.tensor([slot], device=self.engine.device))
+        self.cache.release(to_device(torch.tensor([slot]), self.engine.device))
         self.free.append(slot)
 
 

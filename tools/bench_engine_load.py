@@ -89,8 +89,11 @@ def measure(tree: Path, args, load: dict) -> dict:
     def run(label: str, cache: str, slots: int, todo: list, **kwargs) -> None:
         kivi = None if CACHES[cache] is None else kivi_mod.KiviConfig(**CACHES[cache])
         engine = engine_mod.DecodeEngine(model, **kwargs)
-        # Untimed, at the run's batch size: compiles the step, builds the kernels.
-        engine.generate([engine_mod.Sequence(s.prompt[:64], 4) for s in todo[:slots]], kivi, slots=slots)
+        # Untimed, at the run's batch size and capacity: compiles the step, builds the kernels for them.
+        capacity = max(len(s.prompt) + s.max_new_tokens - 1 for s in todo)
+        longest = (todo[0].prompt * (capacity // len(todo[0].prompt) + 1))[: capacity - 1]
+        warm = [engine_mod.Sequence(longest, 2)] + [engine_mod.Sequence(s.prompt[:64], 2) for s in todo[1:slots]]
+        engine.generate(warm, kivi, slots=slots)
         began = time.perf_counter()
         result = engine.generate(todo, kivi, slots=slots)
         wall = time.perf_counter() - began
@@ -123,7 +126,7 @@ def _argument(engine_mod, key: str, value: str):
 def _line(r: dict) -> str:
     return (f"{r['label']:>10} {r['cache']:>7} slots {r['slots']:4d}: wall {r['wall_s']:7.1f} s, prefill {r['prefill_s']:6.1f} s "
             f"({r['prefill_tokens_per_s'] / 1e3:6.1f}K tok/s), decode {r['decode_s']:6.1f} s, {r['steps']} steps of "
-            f"{r['step_ms']:.2f} ms")
+            f"{r['step_ms']:.2f} ms, capture {r['capture_s']:.2f} s")
 
 
 def main(argv=None) -> None:
