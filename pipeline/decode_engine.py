@@ -79,25 +79,24 @@ class DecodeRun:
 
 
 # cuDNN's fused attention, PyTorch's first choice for masked SDPA on Hopper, builds a plan for every shape it
-# meets (0.1-0.4 s each), and prefill micro-batches come in many shapes (BENCHMARKS.md, "Prefill"); the others
-# need no plan.
+# meets (0.1-0.4 s each), and prefill micro-batches come in many shapes: on the H200 it ran the prefill of a
+# nightly-like load at 26% of the model's speed, and 58% with widths and rows padded to buckets, where the
+# memory-efficient kernel, which plans nothing, ran it at 75-80% (BENCHMARKS.md, "Prefill inside the schedule").
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class DecodeEngine:
     def __init__(self, model: PreTrainedModel, prefill_tokens: int = 8192, cuda_graph: bool = True,
                  compile_steps: bool | None = None, sync_every: int = 16, decode: Callable[[list[int]], str] | None = None,
-                 refill: float = 1 / 8, prefill_backends: list[SDPBackend] = PREFILL_SDPA,
-                 prefill_buckets: tuple[int, int] | None = None):
+                 refill: float = 1 / 4):
         """``decode`` (token ids -> text) is needed for stop strings; ``sync_every`` bounds the steps between two
         looks at the tokens (EOS and stop strings are found that late, length limits exactly); ``refill``: the
-        fraction of the slots that must be free before waiting sequences are admitted while others decode;
-        ``prefill_backends``: the SDPA kernels a prefill may use; ``prefill_buckets`` (width, rows): micro-batches
-        padded to multiples of these, so that a kernel that plans per shape (cuDNN's) meets few shapes."""
+        fraction of the slots that must be free before waiting sequences are admitted while others decode (1/4:
+        the measured best of 1/8 and 1/4 on a nightly-like load, BENCHMARKS.md "Prefill inside the schedule")."""
         # Prefill through the "kivi" attention: exact, and soft-capped where the model asks (SDPA has no soft-capping).
         self.model, self.decode_step = enable_kivi(model), DecodeStep(model, compile_steps)
         self.prefill_tokens, self.cuda_graph, self.sync_every, self.decode = prefill_tokens, cuda_graph, sync_every, decode
-        self.refill, self.prefill_backends, self.prefill_buckets = refill, prefill_backends, prefill_buckets
+        self.refill = refill
         self.device, self.dtype = model.device, model.dtype
 
     def run(self, prompts: list[list[int]], new_tokens: int, kivi: KiviConfig | None) -> DecodeRun:
@@ -197,7 +196,7 @@ class _Batch:
         their keys and values into ``slots``; the first token of each (from the model's own logits), on the device."""
         engine, device = self.engine, self.engine.device
         kv = DynamicCache()  # every position: a sliding layer loads its window from them
-        with sdpa_kernel(engine.prefill_backends):
+        with sdpa_kernel(PREFILL_SDPA):
             if len(prompts) == 1:  # chunks of one prompt (one chunk when it is short), exact attention over the cache
                 for start in range(0, len(prompts[0]), engine.prefill_tokens):
                     ids = to_device(torch.tensor([prompts[0][start : start + engine.prefill_tokens]]), device)
@@ -205,22 +204,17 @@ class _Batch:
                 lengths = torch.tensor([len(prompts[0])])
             else:
                 lengths = torch.tensor([len(p) for p in prompts])
-                width, rows = int(lengths.max()), len(prompts)
-                if engine.prefill_buckets:  # extra rows repeat the last prompt; their results are dropped
-                    width, rows = (-(-n // b) * b for n, b in zip((width, rows), engine.prefill_buckets))
-                ids = torch.zeros(rows, width, dtype=torch.long)
-                for j in range(rows):
-                    ids[j, : len(prompts[min(j, len(prompts) - 1)])] = torch.as_tensor(prompts[min(j, len(prompts) - 1)])
-                padded = torch.cat([lengths, lengths[-1:].expand(rows - len(prompts))])
-                mask = torch.arange(width)[None, :] < padded[:, None]
+                width = int(lengths.max())
+                ids = torch.zeros(len(prompts), width, dtype=torch.long)
+                for j, prompt in enumerate(prompts):
+                    ids[j, : len(prompt)] = torch.as_tensor(prompt)
+                mask = torch.arange(width)[None, :] < lengths[:, None]
                 # The logits at each prompt's last position: the columns the prompts end at, then each row's own.
                 ends, at = torch.unique(lengths - 1, return_inverse=True)
                 logits = engine.model(input_ids=to_device(ids, device), attention_mask=to_device(mask, device),
                                       past_key_values=kv, use_cache=True, logits_to_keep=to_device(ends, device)).logits
                 logits = logits[torch.arange(len(prompts), device=device), to_device(at, device)]
-        longest = int(lengths.max())  # the prompts' own rows and columns (buckets pad both)
-        self.cache.load(slots, [(layer.keys[: len(prompts), :, :longest], layer.values[: len(prompts), :, :longest])
-                                for layer in kv.layers], lengths)
+        self.cache.load(slots, [(layer.keys, layer.values) for layer in kv.layers], lengths)
         return logits.argmax(-1)
 
     def _segment(self) -> None:

@@ -19,7 +19,10 @@ from tqdm import tqdm
 from pipeline.archive import ArchiveWriter
 from pipeline.config import RunConfig
 from pipeline.engine import fallback_reason
-from pipeline.errors import InputError
+from kivi import KiviConfigError
+from kivi.cache import check_fits_model
+from kivi.layout import attention_layers, unsupported_layout
+from pipeline.errors import ConfigError, InputError
 from pipeline.models import load_model_config, load_tokenizer, meta_model
 from pipeline.worker import CRASH_ONCE_ENV, EvalWorker, RunContext, Shard
 from pipeline.workloads import Request, Workload, check_budget
@@ -58,6 +61,7 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
     manifest = archive.read_run()
     if manifest is not None:
         _check_resumable(run_id, manifest["config_yaml"], config_yaml)
+    fallbacks = check_model(config)  # before the first write: a cache the model cannot hold is a config error
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.spec)  # a bad spec fails before the first write
     started = manifest["started_at"] if manifest else dt.datetime.now(dt.UTC)
     ctx = RunContext(run_id, config, started, _git_sha())
@@ -68,7 +72,7 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
         archive.update_run_status("running")
     summary, skipped = RunSummary(run_id), None
     try:
-        shard_jobs, sweep_jobs, skipped = _plan(config, archive, summary, tokenizer)
+        shard_jobs, sweep_jobs, skipped = _plan(config, archive, summary, tokenizer, fallbacks)
         if summary.fallbacks:  # kept from the start: a killed driver's manifest says it too
             archive.update_run_status("running", fallbacks=summary.fallbacks)
         _execute(config, ctx, shard_jobs, sweep_jobs, summary, progress, in_process)
@@ -104,13 +108,13 @@ def _check_resumable(run_id: str, started_yaml: str | None, config_yaml: str) ->
             f"WHERE run_id = '{run_id}'\") or start a new run id")
 
 
-def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary, tokenizer):
+def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary, tokenizer, fallbacks: dict[str, str]):
     caches = list(config.kivi_configs())
     shard_jobs, sweep_jobs, skipped, reused_sweeps = [], [], {}, 0
     workloads = config.build_workloads()
     if any(w.kind == "accuracy" for w in workloads.values()):
-        summary.fallbacks = generation_fallbacks(config)
-        for cache, reason in summary.fallbacks.items():
+        summary.fallbacks = fallbacks
+        for cache, reason in fallbacks.items():
             print(f"{cache}: generating with transformers.generate, not the decode engine: {reason}", flush=True)
     for name, workload in workloads.items():
         requests = workload_requests(workload, tokenizer, config.model.max_context)
@@ -254,11 +258,34 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
         summary.placements = [p for p in summary.placements if p]  # an actor that never came up ran nothing
 
 
-def generation_fallbacks(config: RunConfig) -> dict[str, str]:
-    """Caches whose generations go through transformers.generate, and why; decided from the model's config alone
-    (its modules on the meta device), before any weights load."""
+def check_model(config: RunConfig) -> dict[str, str]:
+    """Every cache of the config against the model, from its config alone (its modules on the meta device), before
+    any weights load: a KIVI cache the model cannot hold, a sweep the decode engine cannot run, or a context past the
+    model's positions is a ConfigError naming the field. Returns the caches whose generations go through
+    transformers.generate, and why; prints a line for a KIVI cache that would quantize nothing on this model."""
     model = meta_model(load_model_config(config.model.spec))
-    return {name: reason for name, kivi in config.kivi_configs().items() if (reason := fallback_reason(model, kivi))}
+    text = model.config.get_text_config(decoder=True)
+    positions = getattr(text, "max_position_embeddings", None)
+    if positions and config.model.max_context > positions:
+        raise ConfigError(f"model.max_context: {config.model.max_context} tokens is past the {positions} positions of "
+                          f"{config.model.spec}; lower it to {positions} or less")
+    layers = attention_layers(text) if unsupported_layout(text) is None else []
+    for name, kivi in config.kivi_configs().items():
+        if kivi is None:
+            continue
+        try:
+            check_fits_model(kivi, text)
+        except KiviConfigError as err:
+            raise ConfigError(f"caches: {name} cannot hold {config.model.spec}: {err}") from None
+        if all(layer.sliding for layer in layers):
+            print(f"{name}: every attention layer of {config.model.spec} slides over a window (of {layers[0].window} "
+                  f"tokens), which KIVI caches keep in 16 bits: this cache quantizes nothing on this model", flush=True)
+    fallbacks = {name: reason for name, kivi in config.kivi_configs().items() if (reason := fallback_reason(model, kivi))}
+    sweeps = [name for name, w in config.build_workloads().items() if w.kind == "throughput"]
+    if sweeps and fallbacks:
+        name, reason = next(iter(fallbacks.items()))
+        raise ConfigError(f"workloads.{sweeps[0]}: the sweep runs on the decode engine, which cannot run {name}: {reason}")
+    return fallbacks
 
 
 def workload_requests(workload: Workload, tokenizer, max_context: int) -> list[Request]:

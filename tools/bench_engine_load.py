@@ -12,8 +12,8 @@ run took, one after the other.
 
 ``--baseline-tree PATH`` also runs the engine of another checkout (``git archive REV | tar -x -C PATH``) on the
 same load in the same run. ``--variant NAME=KEY:VALUE,...`` adds runs of this tree's engine with other
-``DecodeEngine`` arguments (``prefill_backends:all`` lets PyTorch pick cuDNN's SDPA; ``refill:0.25``;
-``prefill_buckets:128x8``), on the first ``--variant-prompts`` prompts at the first slot count, fp16.
+``DecodeEngine`` arguments (``refill:0.125``, ``prefill_tokens:16384``), on the first ``--variant-prompts``
+prompts at the first slot count, fp16.
 On the CPU: ``--shape tiny`` (a 2-layer model) and a few prompts (the test does this).
 """
 
@@ -110,16 +110,12 @@ def measure(tree: Path, args, load: dict) -> dict:
             run("engine", cache, slots, sequences)
     for variant in args.variant:
         name, _, spec = variant.partition("=")
-        kwargs = dict(_argument(engine_mod, *item.split(":", 1)) for item in spec.split(",") if item)
+        kwargs = dict(_argument(*item.split(":", 1)) for item in spec.split(",") if item)
         run(name, "fp16", args.slots[0], sequences[: args.variant_prompts], **kwargs)
     return {"rows": rows, "bare_tokens_per_s": bare_rate(model, args.bare)}
 
 
-def _argument(engine_mod, key: str, value: str):
-    if key == "prefill_backends" and value == "all":
-        return key, [engine_mod.SDPBackend.CUDNN_ATTENTION, *engine_mod.PREFILL_SDPA]  # PyTorch's own choice
-    if key == "prefill_buckets":
-        return key, tuple(int(v) for v in value.split("x"))
+def _argument(key: str, value: str):
     return key, float(value) if "." in value else int(value)
 
 

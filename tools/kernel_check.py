@@ -10,6 +10,7 @@ non-zero if any case fails.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 
@@ -24,6 +25,7 @@ from kivi.slot_cache import SlotCache
 from kivi.quant import GROUP_DIM, unpack
 from kivi.quant import quantize as reference_quantize
 from tools.kernel_data import REAL_KV, fill_streams, outlier_kv, reference_decode, relative_error
+from tools.trees import git_sha
 
 TOLERANCE = 1e-3
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -140,7 +142,8 @@ def main() -> int:
     check_slot_steps(rows, gen)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "git": git_sha(),
+                       "rows": rows}, f, indent=1)
     width = max(len(r["case"]) for r in rows)
     print(f"{'check':8} {'case':{width}} {'metric':16} {'value':>9}  ok")
     for r in rows:
