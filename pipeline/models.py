@@ -37,7 +37,7 @@ from transformers import (
 )
 
 from kivi.config import did_you_mean
-from pipeline import gguf_tokenizer
+from pipeline import gguf_rebuild, gguf_tokenizer
 from pipeline.errors import InputError
 
 RANDOM_PREFIX = "random:"
@@ -159,11 +159,12 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     if spec.startswith(RANDOM_PREFIX):
         raise ModelSpecError(f"model: {spec} has random weights and no tokenizer; set model.tokenizer (e.g. smollm2-135m)")
     source, gguf_file = _resolve(spec)
-    with _explained_load_errors(spec):
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
-        _align_eos(tokenizer, AutoConfig.from_pretrained(source, gguf_file=gguf_file).eos_token_id)
     if gguf_file:
-        _check_gguf_tokenizer(tokenizer, Path(source, gguf_file), spec)
+        tokenizer = _gguf_tokenizer(Path(source, gguf_file), spec)
+    else:
+        with _explained_load_errors(spec):
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            _align_eos(tokenizer, AutoConfig.from_pretrained(source).eos_token_id)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and isinstance(backend.model, BPE):
         # The GGUF conversion asks for WordPiece's space clean-up, which transformers skips for BPE with a warning
@@ -181,16 +182,37 @@ def _align_eos(tokenizer: PreTrainedTokenizerBase, eos: int | list[int] | None) 
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
 
 
-def _check_gguf_tokenizer(tokenizer: PreTrainedTokenizerBase, path: Path, spec: str) -> None:
-    """Refuse a tokenizer that transformers rebuilt from the GGUF differently from the file's own metadata."""
-    errors, warnings = gguf_tokenizer.problems(tokenizer, gguf_tokenizer.GGUFVocab.read(path))
+_TOKENIZER_FIX = ("Set model.tokenizer to the model's original tokenizer (a Hub id, or a local folder with "
+                  "tokenizer.json), or use another GGUF of it")
+
+
+def _gguf_tokenizer(path: Path, spec: str) -> PreTrainedTokenizerBase:
+    """The GGUF's tokenizer: transformers' conversion when it tokenizes as the file's own metadata says, else one
+    rebuilt from that metadata and checked the same way; refused when that fails too."""
+    vocab = gguf_tokenizer.GGUFVocab.read(path)
+    if contradictions := vocab.contradictions():
+        raise ModelSpecError(f"model: {spec!r}: the tokenizer metadata of {path.name} contradicts itself: "
+                             f"{'; '.join(contradictions)}. {_TOKENIZER_FIX}")
+    with _explained_load_errors(spec):
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    _align_eos(tokenizer, vocab.eos_token_id)
+    errors, warnings = gguf_tokenizer.problems(tokenizer, vocab)
+    if errors:
+        try:
+            tokenizer = gguf_rebuild.rebuild_tokenizer(vocab)
+            rebuilt_errors, warnings = gguf_tokenizer.problems(tokenizer, vocab)
+        except gguf_rebuild.RebuildError as err:
+            rebuilt_errors = [str(err)]
+        if rebuilt_errors:
+            raise ModelSpecError(
+                f"model: {spec!r}: transformers' tokenizer for {path.name} does not tokenize as the file's own "
+                f"vocabulary does: {'; '.join(errors)}. Rebuilt from the file's vocabulary it fails too: "
+                f"{'; '.join(rebuilt_errors)}. Every generation would start from wrong token ids. {_TOKENIZER_FIX}")
+        logger.warning("model %s: transformers' tokenizer for %s does not tokenize as the file does (%s); using one "
+                       "rebuilt from the file's vocabulary", spec, path.name, "; ".join(errors))
     for warning in warnings:
         logger.warning("model %s: tokenizer of %s: %s", spec, path.name, warning)
-    if errors:
-        raise ModelSpecError(
-            f"model: {spec!r}: transformers' tokenizer for {path.name} does not tokenize as the file's own vocabulary "
-            f"does: {'; '.join(errors)}. Every generation would start from wrong token ids. Set model.tokenizer to the "
-            f"model's original tokenizer (a Hub id, or a local folder with tokenizer.json), or use another GGUF of it")
+    return tokenizer
 
 
 @contextmanager
@@ -233,10 +255,8 @@ def converted_folder(name: str, gguf_file: Path | None = None) -> Path:
         if (target / "config.json").is_file():
             return target
         gguf = _packaged_gguf_path(name) if gguf_file is None else _verified(name, Path(gguf_file))
+        tokenizer = _gguf_tokenizer(gguf, name)  # first: a refused tokenizer costs no conversion
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        _align_eos(tokenizer, model.config.eos_token_id)
-        _check_gguf_tokenizer(tokenizer, gguf, name)
         _strip_gguf_quantization(model)
         tmp = tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-")
         try:
