@@ -12,7 +12,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from tokenizers import pre_tokenizers
 
 from pipeline.gguf_rebuild import rebuild_tokenizer
-from pipeline.gguf_tokenizer import CONTROL, PROBE, GGUFVocab, problems
+from pipeline.gguf_tokenizer import CONTROL, PROBE, USER_DEFINED, GGUFVocab, problems
 from pipeline.models import ModelSpecError, converted_folder, load_tokenizer
 
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,24 +34,24 @@ def smollm2_gguf_tokenizer(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def real_text(data_dir) -> str:
-    """An essay's opening, in the characters every vocabulary here has (ASCII letters, digits, punctuation)."""
-    text = (data_dir / "niah" / "PaulGrahamEssays" / "copy.txt").read_text()[:2500]
-    return " ".join(text.encode("ascii", "ignore").decode().split())
+    """An essay's opening in the characters every vocabulary here has (ASCII), line breaks and double spaces kept."""
+    return (data_dir / "niah" / "PaulGrahamEssays" / "copy.txt").read_text()[:2500].encode("ascii", "ignore").decode()
 
 
 def write_sentencepiece_gguf(source: Path, path: Path, merges_kept: int, control: tuple[str, ...] = (),
-                             scores_kept: int | None = None) -> None:
+                             user_defined: tuple[str, ...] = (), scores_kept: int | None = None) -> None:
     """SmolLM2's metadata (no tensors: a tokenizer and a config load from metadata alone) with its vocabulary
     turned into a SentencePiece one: "Ġ" spaces become "▁", each piece scored by the rank of the merge that makes
     it (so llama.cpp's score-greedy tokenization equals the BPE's), plus a `merges` list cut to its first
     ``merges_kept``, which llama.cpp ignores for SentencePiece vocabularies and transformers follows.
-    ``control``: pieces typed as control tokens; ``scores_kept``: the scores list cut to that length."""
+    ``control``: pieces typed as control tokens; ``user_defined``: tokens added, typed user-defined (as Gemma's
+    "\n"); ``scores_kept``: the scores list cut to that length."""
     fields = GGUFReader(source).fields
-    tokens = [t.replace("Ġ", "▁") for t in fields["tokenizer.ggml.tokens"].contents()]
+    tokens = [t.replace("Ġ", "▁") for t in fields["tokenizer.ggml.tokens"].contents()] + list(user_defined)
     merges = [m.replace("Ġ", "▁") for m in fields["tokenizer.ggml.merges"].contents()]
     rank = {"".join(m.split(" ")): i for i, m in reversed(list(enumerate(merges)))}
     scores = [-float(rank.get(t, len(merges))) for t in tokens][:scores_kept]
-    kinds = fields["tokenizer.ggml.token_type"].contents()
+    kinds = fields["tokenizer.ggml.token_type"].contents() + [USER_DEFINED] * len(user_defined)
     types = [CONTROL if t in control else kind for t, kind in zip(tokens, kinds)]
     writer = GGUFWriter(path, "llama")
     replaced = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
@@ -97,7 +97,7 @@ def test_a_byte_level_vocabulary_rebuilt_tokenizes_real_text_as_transformers_doe
 def test_a_sentencepiece_gguf_transformers_converts_wrongly_loads_with_a_tokenizer_rebuilt_from_its_vocabulary(
         smollm2_gguf, tmp_path, real_text, caplog):
     path = tmp_path / "broken-spm.gguf"
-    write_sentencepiece_gguf(smollm2_gguf, path, merges_kept=300)
+    write_sentencepiece_gguf(smollm2_gguf, path, merges_kept=300, user_defined=("\n", "  "))
     vocab = GGUFVocab.read(path)
     assert [vocab.tokens[i] for i in vocab.tokenize(PROBE)] == ["The", "▁capital", "▁of", "▁France", "▁is", "▁Paris", "."]
     with caplog.at_level(logging.WARNING, logger="pipeline.models"):
@@ -108,7 +108,7 @@ def test_a_sentencepiece_gguf_transformers_converts_wrongly_loads_with_a_tokeniz
     ids = tokenizer(real_text, add_special_tokens=False).input_ids
     assert ids == vocab.tokenize(real_text)
     assert tokenizer.decode(ids) == real_text
-    assert tokenizer.convert_ids_to_tokens(ids[:4]) == ["July", "▁", "2", "0"]  # no merge makes "20" or "▁2"
+    assert tokenizer.convert_ids_to_tokens(ids[:7]) == ["July", "▁", "2", "0", "0", "6", "\n"]  # no "20" or "▁2"
 
 
 @pytest.mark.parametrize("contradiction, message", [
