@@ -64,7 +64,8 @@ def test_gemma3_reads_an_essay_well_past_its_sliding_window_and_completes_a_fact
 def test_the_gemma3_config_runs_fp16_against_kivi2_end_to_end_and_writes_the_report(gemma3, write_config, data_dir,
                                                                                      tmp_path):
     shipped = yaml.safe_load(CONFIG.read_text())
-    path = write_config(**{**shipped, "data_dir": str(data_dir), "reports": str(tmp_path / "reports")})
+    path = write_config(**{**shipped, "data_dir": str(data_dir), "archive": str(tmp_path / "archive"),
+                           "reports": str(tmp_path / "reports")})
     config = load_config(path)
     summary = run(config, path.read_text(), run_id="gemma3", progress=False, in_process=True)
     written = report(summary.run_id, config.archive, str(config.reports))
