@@ -32,7 +32,7 @@ from pipeline.engine import Engine
 from pipeline.models import load_model
 from pipeline.names import FP16
 from pipeline.workloads import get_workload, prompt_tokens
-from tools.kernel_bench import git_sha
+from tools.trees import git_sha
 
 CACHES = {FP16: None, "kivi2": KiviConfig()}
 

@@ -30,6 +30,7 @@ import torch
 import triton
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tools.bandwidth import copy_bandwidth
 from tools.trees import REPO, git_sha, import_from, run_in_tree, without_options
 
 MODULE = "tools.bench_decode"
@@ -38,13 +39,6 @@ SHAPES = {"llama-2-7b": LlamaConfig(hidden_size=4096, intermediate_size=11008, n
                                     max_position_embeddings=4096, rms_norm_eps=1e-5),
           "tiny": LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2, vocab_size=512)}
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes/s of a 1 GiB device-to-device copy, bytes read plus bytes written (eager: launch overhead is nil)."""
-    src = torch.randn(2**29, device=device, dtype=torch.float16)
-    dst = torch.empty_like(src)
-    return 2 * src.nbytes / (triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3)
 
 
 def random_model(shape: str, device: torch.device):

@@ -2,7 +2,9 @@
 
 Decode attention for one new token per sequence, fp16 SDPA against the fused KIVI-2 and KIVI-4 kernels (and
 the static engine's fp16 kernel, ``dense ms``), at batch B and context S, for the Llama-2-7B attention shape
-(32 heads, head_dim 128, MHA) and a GQA shape (32 query / 8 KV heads); and quantize + pack. Every time is the
+(32 heads, head_dim 128, MHA) and a GQA shape (32 query / 8 KV heads) at long contexts, then short contexts at large
+batches (``SHORT``: the nightly model's Qwen2.5-1.5B shape, 12 query / 2 KV heads, at B = 64 and 256, S = 1,024;
+the ShareGPT sweep's regime, Llama-2-7B at B = 256 and 512, S = 640 and 1,024); and quantize + pack. Every time is the
 median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``) over input sets rotated through more than
 4x the L2 cache: GPU time as the decode engine's captured step sees it, without the host's launch overhead
 (which bounds small cases launched eagerly). Effective bandwidth = bytes that must be read and written / time,
@@ -15,7 +17,6 @@ import argparse
 import datetime
 import itertools
 import json
-import subprocess
 from dataclasses import dataclass
 
 import torch
@@ -28,25 +29,22 @@ from kivi.kernels.decode_attention import decode_attention, default_num_splits
 from kivi.kernels.quantize import quantize, quantize_into
 from kivi.config import KiviConfig
 from kivi.quant import Quantized, StreamBuffers, allocate
+from tools.bandwidth import copy_bandwidth
+from tools.trees import git_sha
 
-SHAPES = {"llama2-7b": (32, 32, 128), "gqa-32/8": (32, 8, 128)}  # query heads, KV heads, head_dim
+SHAPES = {"llama2-7b": (32, 32, 128), "gqa-32/8": (32, 8, 128), "qwen2.5-1.5b": (12, 2, 128)}  # query, KV heads, head_dim
 BATCHES = (1, 8, 32)
 CONTEXTS = (4096, 16384, 32768, 131072)
+# Short contexts at large batches: the nightly model's shape on GSM8K-length sequences, and the ShareGPT sweep's
+# regime (Llama-2-7B, prompts of a few hundred tokens plus their answers).
+SHORT = (("qwen2.5-1.5b", 64, 1024), ("qwen2.5-1.5b", 256, 1024), ("llama2-7b", 256, 640), ("llama2-7b", 512, 640),
+         ("llama2-7b", 256, 1024), ("llama2-7b", 512, 1024))
 GROUP, RESIDUAL = 32, 128  # KiviConfig defaults
 DTYPE = torch.float16
 
 
 def median_ms(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a device-to-device copy, bytes read plus bytes written. Timed eagerly: captured in a CUDA graph
-    the same copy ran at 2.71 TB/s against 4.25 eagerly (H200, 2026-11-29); at 1 GiB the host's launch overhead
-    is negligible."""
-    src = torch.randn(2**29, device="cuda", dtype=DTYPE)  # 1 GiB
-    dst = torch.empty_like(src)
-    return 2 * src.nbytes / (triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3)
 
 
 def rotated(make, set_bytes: int):
@@ -199,13 +197,6 @@ def sweep(gen: torch.Generator) -> list[dict]:
     return rows
 
 
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="kernels_bench.json")
@@ -222,7 +213,7 @@ def main() -> None:
             json.dump({**meta, "sweep": sweep(gen)}, f, indent=1)
         return
     rows = []
-    cases = itertools.product(SHAPES, BATCHES, CONTEXTS)
+    cases = [*itertools.product(("llama2-7b", "gqa-32/8"), BATCHES, CONTEXTS), *SHORT]
     if args.only:
         shape, batch, tokens = args.only.split(":")
         cases = [(shape, int(batch), int(tokens))]
