@@ -263,8 +263,8 @@ def check_model(config: RunConfig) -> dict[str, str]:
     any weights load: a KIVI cache the model cannot hold, a sweep the decode engine cannot run, or a context past the
     model's positions is a ConfigError naming the field. Returns the caches whose generations go through
     transformers.generate, and why; prints a line for a KIVI cache that would quantize nothing on this model."""
-    model = meta_model(load_model_config(config.model.spec))
-    text = model.config.get_text_config(decoder=True)
+    model_config = load_model_config(config.model.spec)
+    text = model_config.get_text_config(decoder=True)
     positions = getattr(text, "max_position_embeddings", None)
     if positions and config.model.max_context > positions:
         raise ConfigError(f"model.max_context: {config.model.max_context} tokens is past the {positions} positions of "
@@ -280,6 +280,11 @@ def check_model(config: RunConfig) -> dict[str, str]:
         if all(layer.sliding for layer in layers):
             print(f"{name}: every attention layer of {config.model.spec} slides over a window (of {layers[0].window} "
                   f"tokens), which KIVI caches keep in 16 bits: this cache quantizes nothing on this model", flush=True)
+    try:
+        model = meta_model(model_config)
+    except ValueError as err:  # transformers builds no causal LM of this config (an encoder-decoder, say)
+        raise ConfigError(f"model.spec: {config.model.spec} is not a decoder-only model transformers can build: "
+                          f"{str(err).splitlines()[0]}") from None
     fallbacks = {name: reason for name, kivi in config.kivi_configs().items() if (reason := fallback_reason(model, kivi))}
     sweeps = [name for name, w in config.build_workloads().items() if w.kind == "throughput"]
     if sweeps and fallbacks:
