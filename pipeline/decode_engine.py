@@ -8,7 +8,8 @@ sequences, longest first (prompt + new tokens: the longest start early instead o
    ``prefill_tokens`` tokens; a prompt longer than that runs in chunks of that size over a DynamicCache of its
    own, so one 32K prompt does not stall the others for long: while sequences decode, one prefill unit (a
    micro-batch or a chunk) runs between two decode segments. The finished prompt's keys and values are
-   stored into its slot (quantized there under KIVI) and its first greedy token taken.
+   stored into its slot (quantized there under KIVI) and its first token taken (greedy, or drawn with its
+   ``Sampling``: pipeline.sampling, the same in every decode step).
 2. decode: segments of at most ``sync_every`` steps (``pipeline.decode_step``, replayed from one CUDA graph
    on CUDA; every slot steps, an idle one in place), each step's tokens kept on the device; a segment never
    runs a sequence past its own ``max_new_tokens``.
@@ -34,6 +35,7 @@ from kivi import KiviConfig
 from kivi.cache import FP16_BYTES
 from kivi.slot_cache import SlotCache
 from pipeline.decode_step import DecodeStep
+from pipeline.sampling import GREEDY, Sampling, SlotSampling, next_tokens
 
 @dataclass(frozen=True)
 class Sequence:
@@ -43,6 +45,7 @@ class Sequence:
     max_new_tokens: int
     end_ids: frozenset[int] = frozenset()  # ids that end it, excluded from its tokens (EOS); none: runs to the limit
     stop: tuple[str, ...] = ()  # stop strings: it ends with the token that completes one (needs a tokenizer)
+    sampling: Sampling | None = None  # None: greedy
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ class DecodeEngine:
     @torch.inference_mode()
     def generate(self, sequences: list[Sequence], kivi: KiviConfig | None, slots: int,
                  sync_every: int | None = None) -> DecodeRun:
-        """Greedy generations of ``sequences`` through ``slots`` slots; fp16 cache when kivi is None."""
+        """Generations of ``sequences`` (greedy unless one has a Sampling) through ``slots`` slots; fp16 cache when kivi
+        is None."""
         if not sequences or min(len(s.prompt) for s in sequences) == 0 or min(s.max_new_tokens for s in sequences) < 1:
             raise ValueError("DecodeEngine.generate: needs non-empty prompts and max_new_tokens >= 1")
         if self.decode is None and any(s.stop for s in sequences):
@@ -141,6 +145,9 @@ class _Batch:
         device, slots = engine.device, cache.state.batch
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each step's input, then its output
         self.history = torch.empty(slots, sync_every, dtype=torch.long, device=device)
+        # Each slot's sampling values, where any sequence samples; otherwise every step is a plain argmax.
+        sampled = any(s.sampling and not s.sampling.greedy for s in sequences)
+        self.sampling = SlotSampling(slots, device) if sampled else None
         order = sorted(range(len(sequences)), key=lambda i: -(len(sequences[i].prompt) + sequences[i].max_new_tokens))
         self.waiting, self.free = deque(order), list(range(slots))
         self.prefills: deque[_Prefill] = deque()
@@ -212,10 +219,17 @@ class _Batch:
                           use_cache=True).last_hidden_state
             last = hidden[torch.arange(len(prompts), device=device), lengths.to(device) - 1]
         slots = torch.tensor(job.slots, device=device)
-        first = model.lm_head(last).argmax(-1)
+        first = self._choose(model.lm_head(last), job.rows, slots, lengths.to(device))
         self.cache.load(slots, [(layer.keys, layer.values) for layer in kv.layers], lengths)
         self.tokens[slots] = first
         return first.tolist()
+
+    def _choose(self, logits: torch.Tensor, rows: list[int], slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first tokens of the sequences ``rows`` admitted to ``slots``, whose Sampling the slots take now."""
+        if self.sampling is None:
+            return logits.argmax(-1)
+        self.sampling.set(slots, [self.sequences[row].sampling or GREEDY for row in rows])
+        return next_tokens(logits, self.sampling.select(slots), positions)
 
     def _start(self, job: _Prefill, first: list[int]) -> None:
         self.admissions += len(job.rows)
@@ -228,12 +242,12 @@ class _Batch:
         n = min(self.sync_every, min(self.sequences[s.index].max_new_tokens - len(s.tokens) for s in self.live.values()))
         engine = self.engine
         if self.graph is None and self.cache.use_kernels and engine.cuda_graph and engine.device.type == "cuda":
-            self.graph = engine.decode_step.capture(self.cache, self.tokens)
+            self.graph = engine.decode_step.capture(self.cache, self.tokens, self.sampling)
             self._sync()
             self.capture_s = time.perf_counter() - began
             began = time.perf_counter()
         for j in range(n):
-            self.graph.replay() if self.graph is not None else engine.decode_step.step(self.cache, self.tokens)
+            self.graph.replay() if self.graph is not None else engine.decode_step.step(self.cache, self.tokens, self.sampling)
             self.history[:, j].copy_(self.tokens)
         history = self.history[:, :n].tolist()  # the segment's one host copy
         self.steps += n
@@ -265,7 +279,10 @@ class _Batch:
         keep, reason = finish
         self.completions[live.index] = Completion(tokens[:keep], reason, time.perf_counter() - live.began)
         del self.live[slot]
-        self.cache.release(torch.tensor([slot], device=self.engine.device))
+        released = torch.tensor([slot], device=self.engine.device)
+        self.cache.release(released)
+        if self.sampling is not None:
+            self.sampling.clear(released)
         self.free.append(slot)
 
 

@@ -3,9 +3,10 @@
 ``transformers.generate`` spends most of a decode step in Python (tens of ms per step for a 7B model at any
 batch). Here a step walks the model's own modules: embeddings and rotary tables, then per layer the input
 norm, q/k/v projections and rotation, the cache's ``step`` (store the token, attend, KIVI's flush, all on
-the device), o projection, residual, post-attention norm, MLP, residual; final norm, LM head, argmax, then
-the positions of the active slots + 1. Every shape is fixed for a cache's lifetime, so on CUDA the step is
-captured once in a CUDA graph and replayed; elsewhere it runs eagerly.
+the device), o projection, residual, post-attention norm, MLP, residual; final norm, LM head, the next token
+(argmax, or pipeline.sampling where a sequence samples), then the positions of the active slots + 1. Every
+shape is fixed for a cache's lifetime, so on CUDA the step is captured once in a CUDA graph and replayed;
+elsewhere it runs eagerly.
 
 On CUDA the parts between two attentions are compiled (torch.compile, one graph shared by every layer): a
 7B model's step is otherwise about 1,300 small kernels, half of its time at batch 1. The layer structure is
@@ -21,6 +22,7 @@ from transformers import PreTrainedModel
 
 from kivi.cache import mixed_layer_types
 from kivi.slot_cache import SlotCache
+from pipeline.sampling import SlotSampling, next_tokens
 
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
@@ -70,8 +72,9 @@ class DecodeStep:
         wrap = torch.compile if compile_steps else (lambda fn: fn)
         self._enter, self._between, self._exit = wrap(_enter), wrap(_between), wrap(_exit)
 
-    def step(self, cache: SlotCache, tokens: torch.Tensor) -> None:
-        """One decode step for every slot: tokens [B] in, the next greedy tokens written back into it."""
+    def step(self, cache: SlotCache, tokens: torch.Tensor, sampling: SlotSampling | None = None) -> None:
+        """One decode step for every slot: tokens [B] in, the next tokens written back into it (greedy, or chosen
+        with each slot's ``sampling``)."""
         base, layers = self.base, self.layers
         hidden, rotary, (q, k, v) = self._enter(base.embed_tokens, base.rotary_emb, layers[0], tokens,
                                                 cache.positions, self.rotate)
@@ -80,10 +83,10 @@ class DecodeStep:
             if i + 1 < len(layers):
                 hidden, (q, k, v) = self._between(layer, layers[i + 1], hidden, attn, rotary, self.rotate)
             else:
-                tokens.copy_(self._exit(layer, base.norm, self.model.lm_head, hidden, attn))
+                tokens.copy_(self._exit(layer, base.norm, self.model.lm_head, hidden, attn, sampling, cache.positions))
         cache.advance()
 
-    def capture(self, cache: SlotCache, tokens: torch.Tensor) -> torch.cuda.CUDAGraph:
+    def capture(self, cache: SlotCache, tokens: torch.Tensor, sampling: SlotSampling | None = None) -> torch.cuda.CUDAGraph:
         """Warm up, then capture one step. The warm-up step (it compiles the kernels and sets up cuBLAS) writes only
         what the first real step rewrites; a second one would overwrite value-ring rows that step still reads."""
         device = tokens.device
@@ -91,13 +94,13 @@ class DecodeStep:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            self.step(cache, tokens)
+            self.step(cache, tokens, sampling)
         torch.cuda.current_stream(device).wait_stream(side)
         cache.positions.copy_(saved[0])
         tokens.copy_(saved[1])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.step(cache, tokens)
+            self.step(cache, tokens, sampling)
         return graph
 
 
@@ -130,6 +133,8 @@ def _between(layer, next_layer, hidden: torch.Tensor, attn_out: torch.Tensor, ro
     return hidden, _qkv(next_layer, hidden, rotary, rotate)
 
 
-def _exit(layer, norm, lm_head, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """The greedy next tokens [B]."""
-    return lm_head(norm(_finish(layer, hidden, attn_out)[:, -1])).argmax(-1)
+def _exit(layer, norm, lm_head, hidden: torch.Tensor, attn_out: torch.Tensor, sampling: SlotSampling | None,
+          positions: torch.Tensor) -> torch.Tensor:
+    """The next tokens [B]: greedy, or chosen with ``sampling`` for the position after each slot's input token."""
+    logits = lm_head(norm(_finish(layer, hidden, attn_out)[:, -1]))
+    return logits.argmax(-1) if sampling is None else next_tokens(logits, sampling, positions + 1)
