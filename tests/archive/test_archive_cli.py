@@ -61,7 +61,7 @@ def test_an_archive_uri_that_pyarrow_cannot_resolve_or_that_holds_credentials_is
 def test_a_bad_statement_is_one_error_line_listing_the_views(shared_archive, capsys, sql, says) -> None:
     assert main(["query", sql, "--archive", shared_archive]) == 2
     line = error_line(capsys)
-    assert says in line and "views and macros: results, perf, runs, verdicts, run_summary" in line
+    assert says in line and "views and macros: results, perf, runs, verdicts, generations, run_summary" in line
     assert "baseline_deltas(candidate_run, baseline_run)" in line
 
 
