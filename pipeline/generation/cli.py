@@ -82,22 +82,23 @@ def generate_run(config_path: str | None, flags: dict[str, Any], run_id: str | N
 
 
 def summary_lines(summary, archive: str, seconds: float) -> list[str]:
-    """The run in a few lines: rows and errors per cache, tokens/s, the agreement of each KIVI cache with fp16."""
+    """The run in a few lines: rows, error rows and tokens/s per cache, and each KIVI cache against fp16."""
     from pipeline.store import Store
 
-    lines = []
-    for cache, counts in summary.counts.items():
-        errors = sum(counts["errors"].values())
-        codes = ", ".join(f"{n} {code}" for code, n in counts["errors"].items())
-        lines.append(f"  {cache}: {counts['rows'] - errors} rows generated, {errors} error rows"
-                     f"{f' ({codes})' if codes else ''}, {counts['output_tokens']} output tokens")
+    head = (f"generate {summary.run_id}: {summary.input['rows']} rows × {len(summary.caches)} caches in {seconds:.1f} s; "
+            f"{len(summary.computed)} shard × cache files computed, {summary.reused} reused")
+    lines = [head]
     with Store(archive) as store:
+        rates = {r["cache"]: r["tokens_per_s"] for r in store.records(
+            "SELECT cache, tokens_per_s FROM generation_summary WHERE run_id = $1", [summary.run_id])}
+        for cache, counts in summary.counts.items():
+            errors = sum(counts["errors"].values())
+            codes = ", ".join(f"{n} {code}" for code, n in counts["errors"].items())
+            rate = "" if rates.get(cache) is None else f", {rates[cache]:,.1f} tokens/s per actor"
+            lines.append(f"  {cache}: {counts['rows'] - errors} rows generated, {errors} error rows"
+                         f"{f' ({codes})' if codes else ''}, {counts['output_tokens']} output tokens{rate}")
         for a in store.records("SELECT * FROM generation_agreement WHERE run_id = $1 ORDER BY cache", [summary.run_id]):
             first = "" if a["mean_first_diff"] is None else f", differing rows part at token {a['mean_first_diff']:.1f} on average"
             kl = "" if a["mean_kl"] is None else f", mean KL to fp16 {a['mean_kl']:.4f}"
             lines.append(f"  {a['cache']} vs fp16: {a['exact']} of {a['greedy_rows']} greedy rows identical{first}{kl}")
-    rate = f" ({summary.tokens / summary.seconds:,.1f} tokens/s)" if summary.seconds else ""
-    head = (f"generate {summary.run_id}: {summary.input['rows']} rows × {len(summary.caches)} caches in {seconds:.1f} s"
-            f"{rate}; {len(summary.computed)} shard × cache files computed, {summary.reused} reused")
-    tail = [f"  OpenAI results, {cache}: {where}" for cache, where in summary.openai_results.items()]
-    return [head, *lines, *tail]
+    return lines + [f"  OpenAI results, {cache}: {where}" for cache, where in summary.openai_results.items()]

@@ -43,8 +43,6 @@ class GenerateSummary:
     fallbacks: dict[str, str] = field(default_factory=dict)  # cache -> why it generates with transformers.generate
     counts: dict[str, dict[str, Any]] = field(default_factory=dict)  # cache -> rows, output_tokens, errors per code
     openai_results: dict[str, str] = field(default_factory=dict)  # cache -> where its OpenAI results JSONL is
-    seconds: float = 0.0  # this driver's wall time from the first job to the last
-    tokens: int = 0  # output tokens this driver's jobs generated
 
     def manifest(self) -> dict[str, Any]:
         return dict(input=self.input, caches=self.counts or None, openai_results=self.openai_results or None)
@@ -64,7 +62,9 @@ def generate(config: GenerateConfig, run_id: str | None = None, progress: bool =
     _check_tokenizer(config, layout)
     fallbacks = generation_fallbacks(config)  # from the model's config alone, before any weights load
     check_fallback_sampling(config, fallbacks)
-    planned = plan(source, layout, openai.ID_FIELD if layout == "openai" else config.id_column, config.ray.shard_size)
+    fields = (openai.ID_FIELD, "body") if layout == "openai" else (config.id_column,
+                                                                     config.messages_column or config.prompt_column)
+    planned = plan(source, layout, fields[0], config.ray.shard_size, fields[1:])
     if not planned.rows:
         raise SourceError(f"input {config.input}: no rows")
     if manifest is not None:
@@ -119,15 +119,18 @@ def _execute(config: GenerateConfig, ctx, planned: InputPlan, archive: ArchiveWr
         return
     bar = tqdm(total=planned.rows * len(summary.caches), initial=reused_rows, desc=f"generate {ctx.run_id}",
                unit="row", disable=not progress)
-    began = time.perf_counter()
+    tokens, first = 0, None  # the rate counts from the first finished job: the actors' start-up is not generation
     try:
         for actor, (_, (shard, _, _)), written in run_jobs(GenerateWorker, ctx, config.ray, jobs, summary.placements,
                                                            in_process):
             summary.placements[actor]["jobs"] += 1
             summary.computed += [(shard.index, cache) for cache in written]
-            summary.tokens += sum(w["output_tokens"] for w in written.values())
-            summary.seconds = time.perf_counter() - began
-            bar.set_postfix_str(f"{summary.tokens / summary.seconds:,.1f} tokens/s", refresh=False)
+            tokens += sum(w["output_tokens"] for w in written.values())
+            now = time.perf_counter()
+            if first is None:
+                first = (now, tokens)
+            elif now > first[0]:
+                bar.set_postfix_str(f"{(tokens - first[1]) / (now - first[0]):,.1f} tokens/s", refresh=False)
             bar.update(shard.rows * len(written))
     finally:
         bar.close()

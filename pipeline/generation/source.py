@@ -171,8 +171,10 @@ def columns(source: Source) -> list[str] | None:
     return load_hub(source).column_names if fmt == "hub" else None
 
 
-def plan(source: Source, record_format: Literal["columns", "openai"], id_field: str, shard_size: int) -> InputPlan:
-    """The run's shards in one streaming pass over the input, with every duplicate id found."""
+def plan(source: Source, record_format: Literal["columns", "openai"], id_field: str, shard_size: int,
+         required: tuple[str, ...] = ()) -> InputPlan:
+    """The run's shards in one streaming pass over the input, with every duplicate id found; a Parquet file or Hub
+    dataset without the id column or one of ``required`` is refused (a JSON line without one is an error row)."""
     ids: dict[str, int] = {}  # id -> its first row
     duplicates: dict[int, tuple[str, int]] = {}
     digest = hashlib.blake2b(digest_size=8)
@@ -182,7 +184,7 @@ def plan(source: Source, record_format: Literal["columns", "openai"], id_field: 
         fmt = file_format(source, file)
         digest.update(f"{file or source.dataset}\n".encode())
         first, starts, end = row, [], 0  # starts: (first row, position) of each of the file's shards
-        for position, value in _SCANS[fmt](source, file, id_field, digest):
+        for position, value in _SCANS[fmt](source, file, (id_field, *required), digest):
             if value is _END:
                 end = position
                 continue
@@ -213,8 +215,9 @@ def row_id(value: Any) -> str | None:
 _END = object()  # a scan's last item: (the file's end: its size in bytes or its rows, _END)
 
 
-def _scan_jsonl(source: Source, file: str, id_field: str, digest) -> Iterator[tuple[int, Any]]:
+def _scan_jsonl(source: Source, file: str, fields: tuple[str, ...], digest) -> Iterator[tuple[int, Any]]:
     """(byte offset, id value) of each line, read in blocks."""
+    id_field = fields[0]
     root = open_root(source.root)
     offset, tail = 0, b""  # offset: where tail starts in the file
     with root.fs.open_input_stream(root.path(file)) as f:
@@ -230,29 +233,34 @@ def _scan_jsonl(source: Source, file: str, id_field: str, digest) -> Iterator[tu
     yield offset + len(tail), _END
 
 
-def _scan_parquet(source: Source, file: str, id_field: str, digest) -> Iterator[tuple[int, Any]]:
+def _scan_parquet(source: Source, file: str, fields: tuple[str, ...], digest) -> Iterator[tuple[int, Any]]:
     """(row within the file, id value), reading the id column only."""
     parquet = _parquet_file(source, file)
-    if id_field not in parquet.schema_arrow.names:
-        raise SourceError(f"input {source.spec}: {file} has no column {id_field!r} (columns: "
-                          f"{', '.join(parquet.schema_arrow.names)}); name the id column with --id-column")
+    _require(source, file, fields, parquet.schema_arrow.names)
+    id_field = fields[0]
     digest.update(json.dumps(parquet.metadata.to_dict(), sort_keys=True, default=str).encode())
     values = (v for batch in parquet.iter_batches(columns=[id_field]) for v in batch.column(0).to_pylist())
     yield from enumerate(values)
     yield parquet.metadata.num_rows, _END
 
 
-def _scan_hub(source: Source, file: None, id_field: str, digest) -> Iterator[tuple[int, Any]]:
+def _scan_hub(source: Source, file: None, fields: tuple[str, ...], digest) -> Iterator[tuple[int, Any]]:
     dataset = load_hub(source)
-    if id_field not in dataset.column_names:
-        raise SourceError(f"input {source.spec}: the dataset has no column {id_field!r} (columns: "
-                          f"{', '.join(dataset.column_names)}); name the id column with --id-column")
+    _require(source, "the dataset", fields, dataset.column_names)
     digest.update(dataset._fingerprint.encode())  # datasets' own hash of the prepared data
-    yield from enumerate(v for chunk in dataset.data.column(id_field).chunks for v in chunk.to_pylist())
+    yield from enumerate(v for chunk in dataset.data.column(fields[0]).chunks for v in chunk.to_pylist())
     yield dataset.num_rows, _END
 
 
 _SCANS = {"jsonl": _scan_jsonl, "parquet": _scan_parquet, "hub": _scan_hub}
+
+
+def _require(source: Source, where: str, fields: tuple[str, ...], names: list[str]) -> None:
+    missing = [f for f in fields if f not in names]
+    if missing:
+        flag = "--id-column" if missing[0] == fields[0] else "--prompt-column or --messages-column"
+        raise SourceError(f"input {source.spec}: {where} has no column {missing[0]!r} (columns: {', '.join(names)}); "
+                          f"name the column with {flag}")
 
 
 def _field(record: Any, name: str) -> Any:
