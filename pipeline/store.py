@@ -6,7 +6,7 @@ An errored request (score null, error set) counts as 0: a cache that crashes on 
 look better for it. Views:
 
 - results, perf, runs, verdicts, generations: the archive tables (empty, with their columns, before any file exists).
-- run_summary: one row per run id in runs, results or perf: kind, model, status, times, and row counts.
+- run_summary: one row per run id in runs, results, perf or generations: kind, model, status, times, row counts.
 - task_scores: mean score per run / workload / task / cache, with n and n_errors.
 - workload_scores: per run / workload / cache; LongBench averages its task means, others average requests.
 - kivi_task_deltas, kivi_deltas: each non-fp16 cache vs fp16 of the same run, per task and per workload,
@@ -88,13 +88,17 @@ _VIEWS = {
         WITH r AS (SELECT run_id, any_value(model) AS model, count(*) AS results, count(error) AS errors
                    FROM results GROUP BY run_id),
              p AS (SELECT run_id, any_value(model) AS model, count(*) AS perf_points FROM perf GROUP BY run_id),
-             v AS (SELECT run_id, count(*) AS verdicts FROM verdicts GROUP BY run_id)
-        SELECT run_id, m.kind, coalesce(m.model, r.model, p.model) AS model, m.status, m.started_at, m.finished_at,
-               coalesce(r.results, 0) AS results, coalesce(r.errors, 0) AS errors,
-               coalesce(p.perf_points, 0) AS perf_points, coalesce(v.verdicts, 0) AS verdicts
-        FROM (SELECT run_id FROM runs UNION SELECT run_id FROM results UNION SELECT run_id FROM perf)
+             v AS (SELECT run_id, count(*) AS verdicts FROM verdicts GROUP BY run_id),
+             g AS (SELECT run_id, any_value(model) AS model, count(*) AS generations, count(error_code) AS error_rows
+                   FROM generations GROUP BY run_id)
+        SELECT run_id, m.kind, coalesce(m.model, r.model, p.model, g.model) AS model, m.status, m.started_at,
+               m.finished_at, coalesce(r.results, 0) AS results, coalesce(r.errors, 0) AS errors,
+               coalesce(p.perf_points, 0) AS perf_points, coalesce(v.verdicts, 0) AS verdicts,
+               coalesce(g.generations, 0) AS generations, coalesce(g.error_rows, 0) AS generation_errors
+        FROM (SELECT run_id FROM runs UNION SELECT run_id FROM results UNION SELECT run_id FROM perf
+              UNION SELECT run_id FROM generations)
              LEFT JOIN runs m USING (run_id) LEFT JOIN r USING (run_id) LEFT JOIN p USING (run_id)
-             LEFT JOIN v USING (run_id)""",
+             LEFT JOIN v USING (run_id) LEFT JOIN g USING (run_id)""",
     "task_scores": """
         SELECT run_id, model, workload, workload_version, task, cache, any_value(metric) AS metric,
                avg(coalesce(score, 0)) AS score, count(*) AS n, count(error) AS n_errors

@@ -15,6 +15,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from pipeline.engine import Engine, Generation
 from pipeline.models import load_model, resolve_dtype
 from pipeline.workloads import Request, Workload
 
+if TYPE_CHECKING:
+    from pipeline.generation.config import GenerateConfig
+
 # Fault injection for the failure tests: the worker process exits when it starts this shard the first time.
 CRASH_ONCE_ENV = "KIVI_EVAL_CRASH_ONCE"
 
@@ -31,7 +35,7 @@ CRASH_ONCE_ENV = "KIVI_EVAL_CRASH_ONCE"
 @dataclass(frozen=True)
 class RunContext:
     run_id: str
-    config: RunConfig
+    config: RunConfig | GenerateConfig
     started_at: dt.datetime
     git_sha: str | None
 

@@ -125,7 +125,7 @@ def _execute(config: GenerateConfig, ctx, planned: InputPlan, archive: ArchiveWr
                                                            in_process):
             summary.placements[actor]["jobs"] += 1
             summary.computed += [(shard.index, cache) for cache in written]
-            tokens += sum(w["output_tokens"] for w in written.values())
+            tokens += sum(written.values())
             now = time.perf_counter()
             if first is None:
                 first = (now, tokens)

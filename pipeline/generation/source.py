@@ -96,9 +96,7 @@ def resolve(spec: str, split: str = "train") -> Source:
             if info.type == pafs.FileType.File:
                 root, files = open_root(_parent(spec)), [PurePosixPath(root.base).name]
             elif info.type == pafs.FileType.Directory:
-                files = sorted(i.path[len(root.base) + 1 :] for i in root.fs.get_file_info(
-                    pafs.FileSelector(root.base, recursive=True)) if i.type == pafs.FileType.File
-                    and PurePosixPath(i.path).suffix in SUFFIXES and not PurePosixPath(i.path).name.startswith("."))
+                files = _inputs_below(root)
             elif "://" not in spec and HUB_ID.fullmatch(spec):
                 return Source(spec, dataset=spec, split=split)
             else:
@@ -112,6 +110,13 @@ def resolve(spec: str, split: str = "train") -> Source:
     if unknown:
         raise SourceError(f"input {spec}: {unknown[0]} is neither JSON lines nor Parquet ({', '.join(SUFFIXES)})")
     return Source(spec, root.uri if "://" in root.uri else root.base, tuple(files), split=split)
+
+
+def _inputs_below(root) -> list[str]:
+    """The JSON-lines and Parquet files anywhere below the folder, relative to it, in path order."""
+    infos = root.fs.get_file_info(pafs.FileSelector(root.base, recursive=True))
+    return sorted(i.path[len(root.base) + 1 :] for i in infos if i.type == pafs.FileType.File
+                  and PurePosixPath(i.path).suffix in SUFFIXES and not PurePosixPath(i.path).name.startswith("."))
 
 
 def _split_glob(spec: str) -> tuple[str, str | None]:

@@ -36,37 +36,36 @@ class GenerateWorker(ModelWorker):
         text = self.engine.model.config.get_text_config(decoder=True)
         self.max_context = cfg.model.max_context or text.max_position_embeddings
 
-    def run_shard(self, shard: InputShard, record_format: str, caches: list[str]) -> dict[str, dict[str, Any]]:
+    def run_shard(self, shard: InputShard, record_format: str, caches: list[str]) -> dict[str, int]:
         """Generate and write the shard under each named cache not yet in the archive (a shard retried after its
-        actor died keeps what that actor wrote); returns per cache its rows, error rows, output tokens, seconds."""
+        actor died keeps what that actor wrote); returns the output tokens written per cache."""
         self._maybe_crash(CRASH_LABEL, shard.index)
         todo = [c for c in caches if not self.archive.has_generations(c, shard.index)]
         if not todo:
             return {}
         rows = self._input_rows(shard, record_format)
         prompts = self._prompts(rows)
-        done = {}
+        written = {}
         for cache in todo:
             began = time.perf_counter()
             out = self._generate(rows, prompts, cache)
             seconds = time.perf_counter() - began
             self.archive.write_generations(cache, shard.index, [r | {"shard_s": seconds} for r in out])
-            done[cache] = dict(rows=len(out), errors=sum(r["error_code"] is not None for r in out),
-                               output_tokens=sum(r["output_tokens"] or 0 for r in out), seconds=seconds)
+            written[cache] = sum(r["output_tokens"] or 0 for r in out)
             # Ray forwards an actor's stdout to the driver, prefixed with the actor.
-            print(f"generate shard {shard.index} {cache}: {len(out)} rows, {done[cache]['output_tokens']} tokens in "
-                  f"{seconds:.1f} s", flush=True)
-        return done
+            print(f"generate shard {shard.index} {cache}: {len(out)} rows, {written[cache]} tokens in {seconds:.1f} s",
+                  flush=True)
+        return written
 
     def _input_rows(self, shard: InputShard, record_format: str) -> list[InputRow]:
         cfg, options = self.ctx.config, self.ctx.config.options()
         if record_format == "openai":
             return [openai.from_batch_line(row, record, options, shard.duplicates.get(row))
                     for row, record in read_shard(self.source, shard)]
-        wanted = [cfg.id_column, cfg.messages_column or cfg.prompt_column]
+        wanted = [cfg.id_column, cfg.messages_column or cfg.prompt_column]  # the columns a Parquet shard reads
         return [from_columns(row, record, cfg.id_column, cfg.prompt_column, cfg.messages_column, options,
                              shard.duplicates.get(row))
-                for row, record in read_shard(self.source, shard, wanted if shard.format != "jsonl" else None)]
+                for row, record in read_shard(self.source, shard, wanted)]
 
     def _prompts(self, rows: list[InputRow]) -> dict[int, tuple[str, list[int]]]:
         """Row -> (its prompt as the model reads it, its token ids) for each runnable row; a row whose messages the

@@ -69,7 +69,7 @@ def test_runs_lists_every_run_newest_first_with_its_row_counts(shared_archive, c
     assert main(["runs", "--archive", shared_archive]) == 0
     header, _, *rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()]
     assert header == ["run_id", "kind", "model", "status", "started_at", "finished_at", "results", "errors",
-                      "perf_points", "verdicts"]
+                      "perf_points", "verdicts", "generations", "generation_errors"]
     # canary-b was stamped when the archive was built; nightly-a started on 2025-06-01.
     assert [(r[0], r[1], r[3], r[6], r[7], r[8]) for r in rows] == [
         ("canary-b", "canary", "complete", "117", "0", "14"), ("nightly-a", "nightly", "complete", "117", "1", "21")]

@@ -52,6 +52,7 @@ def test_the_generation_views_pair_each_row_with_fp16s_and_count_what_differs(ro
         (agreement,) = store.records("SELECT * FROM generation_agreement")
         pairs = {p["row"]: p for p in store.records("SELECT * FROM generation_pairs")}
         summary = {s["cache"]: s for s in store.records("SELECT * FROM generation_summary")}
+        (run,) = store.records("SELECT kind, generations, generation_errors, results FROM run_summary")
     assert (agreement["greedy_rows"], agreement["exact"], agreement["cache_errors"], agreement["missing"]) == (9, 6, 1, 0)
     assert agreement["exact_match"] == pytest.approx(6 / 9)
     assert (pairs[6]["first_diff"], pairs[7]["first_diff"], pairs[0]["first_diff"]) == (2, 3, None)
@@ -62,6 +63,7 @@ def test_the_generation_views_pair_each_row_with_fp16s_and_count_what_differs(ro
     assert summary["fp16"]["actor_s"] == pytest.approx(5.0)  # each shard's seconds once, not once per row
     assert summary["fp16"]["tokens_per_s"] == pytest.approx(44 / 5.0)
     assert (summary[K2]["eos"], summary[K2]["length"]) == (1, 9)
+    assert run == {"kind": "generate", "generations": 24, "generation_errors": 3, "results": 0}
 
 
 @pytest.mark.parametrize("limit, test, passes", [(0.9, "regression", True), (0.95, "regression", False),

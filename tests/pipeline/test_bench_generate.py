@@ -14,7 +14,7 @@ from tools.bench_generate import main
 def test_the_benchmark_counts_every_generated_token_beside_its_sweep_point_and_writes_json(
         tiny_model_folder, data_dir, tmp_path, capsys):
     path = tmp_path / "bench.json"
-    out = main(["--model", str(tiny_model_folder(64)), "--data-dir", str(data_dir), "--n", "10", "--batch", "4",
+    out = main(["--model", str(tiny_model_folder(64, vocab_size=2048)), "--data-dir", str(data_dir), "--n", "10", "--batch", "4",
                 "--shard-size", "6", "--max-new-tokens", "5", "--sampled", "4", "--device", "cpu", "--json", str(path)])
     assert json.loads(path.read_text()) == out
     (sharegpt,) = (data_dir / "sharegpt").glob(LOCAL_PATTERN)

@@ -18,7 +18,7 @@ K2R0 = "kivi-k2v2-g32-r0"
 
 @pytest.fixture(scope="module")
 def model(tiny_model_folder):
-    return str(tiny_model_folder(64))
+    return str(tiny_model_folder(64, vocab_size=2048))
 
 
 def run(tmp_path, model: str, records: list, run_id: str = "g", **flags) -> tuple:
