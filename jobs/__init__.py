@@ -1,1 +1,1 @@
-"""Entry points for `ray job submit` (nightly regression, canary)."""
+"""Entry points for `ray job submit` (nightly regression, canary, batch generation)."""

@@ -63,7 +63,25 @@ def chunked_logprobs(model, input_ids: torch.Tensor, cache, chunk: int) -> torch
 def compare(reference: torch.Tensor, logprobs: torch.Tensor, input_ids: torch.Tensor, chunk: int) -> dict[str, float]:
     """Mean KL(reference || logprobs), top-1 agreement and perplexity over the positions after the prefill chunk."""
     targets = input_ids[0, chunk + 1 :].to(logprobs.device)  # what those positions predict
-    kl = (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
+    kl = mean_kl(reference, logprobs)
     agreement = (reference.argmax(-1) == logprobs.argmax(-1)).float().mean().item()
     nll = -logprobs.gather(-1, targets[:, None]).mean()
     return dict(mean_kl=kl, top1_agreement=agreement, perplexity=nll.exp().item())
+
+
+def mean_kl(reference: torch.Tensor, logprobs: torch.Tensor) -> float:
+    """Mean over positions of KL(reference || logprobs), both log-probabilities [positions, V]."""
+    return (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
+
+
+@torch.inference_mode()
+def decode_kl(model, prompt: list[int], output: list[int], config: KiviConfig) -> float:
+    """Mean KL(p_fp16 || p_kivi) over the distributions that chose ``output`` (a generation) after ``prompt``: fp16 in
+    one exact forward pass, KIVI as decoding ran it, the prompt's prefill, then a token at a time over its cache."""
+    enable_kivi(model)
+    ids = torch.tensor([prompt + output[:-1]], device=model.device)
+    reference = model(ids, past_key_values=DynamicCache(config=model.config)).logits[0, len(prompt) - 1 :]
+    cache = KiviCache(model.config, config)
+    steps = [model(ids[:, : len(prompt)], past_key_values=cache, use_cache=True).logits[0, -1:]]
+    steps += [model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0] for i in range(len(prompt), ids.shape[1])]
+    return mean_kl(reference.float().log_softmax(-1), torch.cat(steps).float().log_softmax(-1))

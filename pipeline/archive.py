@@ -3,6 +3,8 @@
 Layout under the archive root (partition columns live in the path only, as hive expects):
 
     results/run_id=<id>/workload=<w>/cache=<c>/shard-<NNNNN>.parquet
+    generations/run_id=<id>/cache=<c>/shard-<NNNNN>.parquet      kivi-eval generate: one row per input row
+    openai/run_id=<id>/<c>.jsonl                                  … and its OpenAI batch results, for such input
     perf/run_id=<id>/workload=<w>/cache=<c>/batch-<NNNNN>.parquet
     runs/run_id=<id>/run.parquet
     verdicts/run_id=<id>/rules-<rules>.parquet    one per rules file (<rules>: its name without .yaml)
@@ -82,6 +84,30 @@ RESULTS = TableSpec(
     json_columns=("reference", "meta"),  # LongBench references are lists of answers
 )
 
+GENERATIONS = TableSpec(
+    name="generations",
+    schema=pa.schema([
+        ("run_id", pa.string()), ("started_at", _TS), ("model", pa.string()), ("cache", pa.string()),
+        ("shard", pa.int32()),
+        ("row", pa.int64()),  # the input row's number (files in path order, rows in file order): the key
+        ("id", pa.string()),  # the row's id (custom_id in the OpenAI batch format); null where it has none
+        ("prompt_hash", pa.string()),  # of the prompt as the model read it (chat template applied): 16 hex digits
+        ("prompt_tokens", pa.int32()),
+        ("output_text", pa.string()), ("output_token_ids", pa.list_(pa.int32())), ("output_tokens", pa.int32()),
+        ("finish_reason", pa.string()),  # eos, stop or length; null on an error row
+        ("max_new_tokens", pa.int32()),
+        ("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int32()), ("seed", pa.int64()),
+        ("latency_s", pa.float64()),  # from the row's prefill to its last token
+        ("shard_s", pa.float64()),  # seconds its shard × cache took on the actor (the same on each of its rows)
+        ("kl_to_fp16", pa.float64()),  # --score-kl, KIVI rows: mean KL(fp16 || cache) along the row's own output
+        ("error_code", pa.string()),  # duplicate_id, empty_prompt, prompt_too_long, out_of_memory, …; null: generated
+        ("error", pa.string()),
+    ]),
+    partitions=("run_id", "cache"),
+    required=("run_id", "model", "cache", "shard", "row"),
+    glob="generations/*/*/*.parquet",
+)
+
 PERF = TableSpec(
     name="perf",
     schema=pa.schema([
@@ -109,11 +135,14 @@ RUNS = TableSpec(
         ("placements", pa.string()),  # JSON: per actor host, pid, device, Ray GPU ids, GPU UUID, start-up seconds, jobs finished
         ("error", pa.string()),  # why a failed run stopped (exception type and message); null otherwise
         ("fallbacks", pa.string()),  # JSON: {cache: why its generations ran through transformers.generate}
+        # JSON, kivi-eval generate runs: the input (source, format, files, rows, shards, fingerprint) and, once the
+        # run ends, rows and output tokens per cache and its error rows per error_code.
+        ("generation", pa.string()),
     ]),
     partitions=("run_id",),
     required=("run_id", "kind", "status", "started_at"),
     glob="runs/*/run.parquet",
-    json_columns=("versions", "skipped", "placements", "fallbacks"),
+    json_columns=("versions", "skipped", "placements", "fallbacks", "generation"),
 )
 
 VERDICTS = TableSpec(
@@ -134,7 +163,7 @@ VERDICTS = TableSpec(
     glob="verdicts/*/*.parquet",
 )
 
-TABLES: dict[str, TableSpec] = {t.name: t for t in (RESULTS, PERF, RUNS, VERDICTS)}
+TABLES: dict[str, TableSpec] = {t.name: t for t in (RESULTS, PERF, RUNS, VERDICTS, GENERATIONS)}
 
 
 def to_table(spec: TableSpec, rows: Iterable[dict[str, Any]]) -> pa.Table:
@@ -211,23 +240,47 @@ class ArchiveWriter:
     def results_dir(self, workload: str, cache: str) -> str:
         return f"results/{self._run_dir}/{_segment('workload', workload)}/{_segment('cache', cache)}"
 
+    def generations_dir(self, cache: str) -> str:
+        return f"generations/{self._run_dir}/{_segment('cache', cache)}"
+
+    def openai_results_path(self, cache: str) -> str:
+        return f"openai/{self._run_dir}/{_segment('cache', cache).removeprefix('cache=')}.jsonl"
+
     def shard_path(self, workload: str, cache: str, shard: int) -> str:
-        return f"{self.results_dir(workload, cache)}/shard-{shard:05d}.parquet"
+        return _shard_file(self.results_dir(workload, cache), shard)
 
     def write_results(self, workload: str, cache: str, shard: int, rows: list[dict[str, Any]]) -> str:
         """Write (or replace, whole) the file of one shard × cache configuration."""
         fixed = {"run_id": self.run_id, "workload": workload, "cache": cache, "shard": shard}
         # A workload with a single task names it after itself, so per-task views never join on NULL.
         filled = [{**row, "task": row.get("task") or workload} for row in rows]
-        table = to_table(RESULTS, [_with_partition(RESULTS, row, fixed) for row in filled])
-        return write_whole(self.root, self.shard_path(workload, cache, shard), table.select(RESULTS.file_schema.names))
+        return self._write_shard(RESULTS, self.results_dir(workload, cache), shard, filled, fixed)
+
+    def write_generations(self, cache: str, shard: int, rows: list[dict[str, Any]]) -> str:
+        """Write (or replace, whole) the generations of one input shard under one cache."""
+        fixed = {"run_id": self.run_id, "cache": cache, "shard": shard}
+        return self._write_shard(GENERATIONS, self.generations_dir(cache), shard, rows, fixed)
+
+    def _write_shard(self, spec: TableSpec, folder: str, shard: int, rows: list[dict[str, Any]], fixed: dict) -> str:
+        table = to_table(spec, [_with_partition(spec, row, fixed) for row in rows])
+        return write_whole(self.root, _shard_file(folder, shard), table.select(spec.file_schema.names))
 
     def has_results(self, workload: str, cache: str, shard: int) -> bool:
         return self.root.exists(self.shard_path(workload, cache, shard))
 
+    def has_generations(self, cache: str, shard: int) -> bool:
+        return self.root.exists(_shard_file(self.generations_dir(cache), shard))
+
     def done_shards(self, workload: str, cache: str) -> set[int]:
         """Shards of this workload × cache already in the archive: what a resumed run may skip."""
-        files = self.root.glob(f"{self.results_dir(workload, cache)}/shard-*.parquet")
+        return self._done(self.results_dir(workload, cache))
+
+    def done_generation_shards(self, cache: str) -> set[int]:
+        """Input shards whose generations under ``cache`` are already in the archive."""
+        return self._done(self.generations_dir(cache))
+
+    def _done(self, folder: str) -> set[int]:
+        files = self.root.glob(f"{folder}/shard-*.parquet")
         return {int(f.rsplit("/", 1)[1].removeprefix("shard-").removesuffix(".parquet")) for f in files}
 
     def perf_caches(self, workload: str) -> set[str]:
@@ -273,10 +326,11 @@ class ArchiveWriter:
         skipped: dict[str, dict[str, int]] | None = None,
         placements: list[dict[str, Any]] | None = None,
         fallbacks: dict[str, str] | None = None,
+        generation: dict[str, Any] | None = None,
         error: str | None = None,
     ) -> str:
-        """Set the status; a final one stamps finished_at (now unless given); skipped, placements and fallbacks
-        replace theirs; ``error`` is kept with a failed status only (a resumed run clears it)."""
+        """Set the status; a final one stamps finished_at (now unless given); skipped, placements, fallbacks and
+        generation replace theirs; ``error`` is kept with a failed status only (a resumed run clears it)."""
         row = self.read_run()
         if row is None:
             raise ArchiveError(f"run {self.run_id!r} has no manifest under {self.root}; call write_run first")
@@ -289,6 +343,8 @@ class ArchiveWriter:
             row["placements"] = placements
         if fallbacks is not None:
             row["fallbacks"] = fallbacks
+        if generation is not None:
+            row["generation"] = generation
         return self.write_run(row)
 
     def write_verdicts(self, rules: str, rows: list[dict[str, Any]]) -> str:
@@ -297,6 +353,10 @@ class ArchiveWriter:
         table = to_table(VERDICTS, [_with_partition(VERDICTS, row, fixed) for row in rows])
         path = f"verdicts/{self._run_dir}/rules-{re.sub(r'[^A-Za-z0-9._+-]', '_', rules)}.parquet"
         return write_whole(self.root, path, table.select(VERDICTS.file_schema.names))
+
+
+def _shard_file(folder: str, shard: int) -> str:
+    return f"{folder}/shard-{shard:05d}.parquet"
 
 
 def _with_partition(spec: TableSpec, row: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:

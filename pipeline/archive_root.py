@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import shutil
+import tempfile
 import urllib.parse
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -68,10 +73,10 @@ class ArchiveRoot:
         """Relative paths of the files matching ``pattern`` (``*`` within one path segment), sorted."""
         parts = pattern.split("/")
         fixed = next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))
-        prefix = "/".join(parts[:fixed])
-        start = len(self.path(prefix)) + 1
+        folder = self.path("/".join(parts[:fixed])) if fixed else self.base
+        start = len(folder) + 1
         try:
-            infos = self.fs.get_file_info(pafs.FileSelector(self.path(prefix), recursive=True, allow_not_found=True))
+            infos = self.fs.get_file_info(pafs.FileSelector(folder, recursive=True, allow_not_found=True))
         except OSError as err:
             raise self._unreachable(err) from err
         found = []
@@ -91,13 +96,45 @@ class ArchiveRoot:
 
     def write(self, relative: str, data: bytes | pa.Buffer) -> str:
         """Write ``data`` to ``relative`` so that no reader and no crash ever sees part of it; returns its location."""
-        path = self.path(relative)
         if self.is_local:
-            _write_local(path, data)
+            with self.open_whole(relative) as out:
+                out.write(data)
         else:
-            with self.fs.open_output_stream(path) as out:
+            with self.fs.open_output_stream(self.path(relative)) as out:  # one upload: visible once it completes
                 out.write(data)
         return self.location(relative)
+
+    @contextmanager
+    def open_whole(self, relative: str) -> Iterator[BinaryIO]:
+        """A stream whose bytes appear at ``relative`` all at once when the block ends without an error, and never
+        in part: a file too large to build in memory first, written piece by piece."""
+        path = self.path(relative)
+        if not self.is_local:
+            # Spooled to a local file, then sent in one upload (visible once it completes): closing a stream that
+            # an error interrupted would complete the upload with what it held.
+            with tempfile.TemporaryFile() as spool:
+                yield spool
+                spool.seek(0)
+                with self.fs.open_output_stream(path) as out:
+                    shutil.copyfileobj(spool, out, 1 << 24)
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        # The rename itself is durable only once the directory entry is synced.
+        fd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _info(self, path: str) -> pafs.FileInfo:
         try:
@@ -130,22 +167,3 @@ def open_root(root: str | os.PathLike[str] | ArchiveRoot) -> ArchiveRoot:
         raise ArchiveLocationError(f"archive {uri}: {err}; use {SCHEMES}") from err
     return ArchiveRoot(uri, fs, base.rstrip("/"))
 
-
-def _write_local(path: str, data: bytes | pa.Buffer) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    # The rename itself is durable only once the directory entry is synced.
-    fd = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -1,6 +1,7 @@
 """kivi-eval: run a config, gate a run, write its report, query the archive.
 
     kivi-eval run configs/smoke.yaml              # local Ray unless --address / RAY_ADDRESS (--no-ray: in process)
+    kivi-eval generate --input prompts.jsonl --output gen --model smollm2-135m --cache fp16 --cache kivi-2
     kivi-eval gate RUN_ID --rules configs/gates/nightly.yaml
     kivi-eval report RUN_ID
     kivi-eval query "SELECT * FROM kivi_deltas"
@@ -18,12 +19,13 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import InputError
+from pipeline.generation.cli import add_generate_arguments, generate_command
 from pipeline.names import RUN_KINDS
 
 if TYPE_CHECKING:
@@ -35,38 +37,59 @@ RUN_FAILED = 3  # exit code of a run that stopped (0: every gate rule passed, 1:
 
 def run_config(config_path: str, run_id: str | None = None, archive: str | None = None, address: str | None = None,
                kind: str | None = None, baseline_run_id: str | None = None, no_ray: bool = False) -> int:
-    """Run (or resume) a config, then gate and report it; returns the gate's exit code (0 without rules), or
-    RUN_FAILED when the run stopped: it is still gated and reported with what it wrote, marked partial."""
-    from pipeline.archive import ArchiveWriter
+    """Run (or resume) a config, then gate and report it (``conclude``); a config of the generate kind runs as
+    ``kivi-eval generate --config`` does."""
     from pipeline.config import load_config
     from pipeline.gate import check_config_rules
-    from pipeline.runner import ResumeError, describe_failure, new_run_id, run
+    from pipeline.generation.config import is_generate_config
+    from pipeline.runner import new_run_id, run
 
+    if is_generate_config(config_path):
+        from pipeline.generation.cli import generate_run
+
+        return generate_run(config_path, {"output": archive, "ray.address": address}, run_id, no_ray)
     overrides = dict(archive=archive, kind=kind, baseline_run_id=baseline_run_id)
     config = load_config(config_path, **overrides)
     check_config_rules(config, config_path)
     if address:
         config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
     run_id = run_id or new_run_id(config.kind)
+
+    def attempt() -> None:
+        began = time.perf_counter()
+        summary = run(config, Path(config_path).read_text(), run_id, in_process=no_ray)
+        print(f"run {run_id}: computed {len(summary.computed)} shard×cache, reused {summary.reused}, "
+              f"sweeps {summary.sweeps} in {time.perf_counter() - began:.1f} s")
+        for placement in summary.placements:
+            print(f"  actor {placement}")
+
+    return conclude(run_id, config.archive, attempt, config.gate, config.reports, config.baseline_run_id)
+
+
+def conclude(run_id: str, archive: str, attempt: Callable[[], None], rules, reports,
+             baseline_run_id: str | None = None) -> int:
+    """Run ``attempt`` (it prints its own summary), then gate the run with ``rules`` (when given) and report it;
+    returns the gate's exit code (0 without rules), or RUN_FAILED when the run stopped: it is still gated and
+    reported with what it wrote, marked partial."""
+    from pipeline.archive import ArchiveWriter
+    from pipeline.errors import ConfigError
+    from pipeline.runner import ResumeError, describe_failure
+
     began = time.perf_counter()
     try:
-        summary = run(config, Path(config_path).read_text(), run_id, in_process=no_ray)
-    except ResumeError:
+        attempt()
+    except (ResumeError, ConfigError):
         raise  # refused before anything ran: the run's manifest and files are as they were
     except Exception as err:
-        if ArchiveWriter(config.archive, run_id).read_run() is None:
+        if ArchiveWriter(archive, run_id).read_run() is None:
             raise  # stopped before the run began: nothing to gate or report
         failed = True
         print(f"kivi-eval: run {run_id} failed after {time.perf_counter() - began:.1f} s: {describe_failure(err)}",
               file=sys.stderr)
     else:
         failed = False
-        print(f"run {run_id}: computed {len(summary.computed)} shard×cache, reused {summary.reused}, "
-              f"sweeps {summary.sweeps} in {time.perf_counter() - began:.1f} s")
-        for placement in summary.placements:
-            print(f"  actor {placement}")
-    code = gate(run_id, config.gate, config.archive, config.baseline_run_id) if config.gate else 0
-    report(run_id, config.archive, str(config.reports))
+    code = gate(run_id, rules, archive, baseline_run_id) if rules else 0
+    report(run_id, archive, str(reports))
     return RUN_FAILED if failed else code
 
 
@@ -147,6 +170,8 @@ def main(argv=None) -> int:
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
     p.add_argument("--archive", help="archive root: a folder or a URI, s3://bucket/prefix … (default: the config's)")
     p.add_argument("--no-ray", action="store_true", help="one worker in this process, without Ray (same worker code)")
+    p = sub.add_parser("generate", help="generate a completion for every input row under each cache, on Ray; resumable")
+    add_generate_arguments(p)
     p = sub.add_parser("gate", help="evaluate gate rules for a run; exit 0 only if all pass")
     p.add_argument("run_id")
     p.add_argument("--rules", required=True)
@@ -178,6 +203,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "run":
             return run_config(args.config, args.run_id, args.archive, args.address, no_ray=args.no_ray)
+        if args.command == "generate":
+            return generate_command(args)
         if args.command == "gate":
             return gate(args.run_id, args.rules, args.archive, args.baseline)
         if args.command == "report":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -136,15 +137,7 @@ def _check(config: RunConfig, path: Path) -> None:
     def fail(field: str, err: Exception) -> None:
         raise ConfigError(f"{path}: {field}: {err}") from None
 
-    model = config.model
-    for field, spec in (("model.spec", model.spec), ("model.tokenizer", model.tokenizer)):
-        if spec is not None:
-            try:
-                check_model_spec(spec)
-            except ModelSpecError as err:
-                fail(field, err)
-    if model.spec.startswith(RANDOM_PREFIX) and model.tokenizer is None:
-        fail("model.tokenizer", ValueError(f"{model.spec} has random weights and no tokenizer; set one, e.g. smollm2-135m"))
+    check_model_section(config.model, fail)
     kivi_fields = [f.name for f in dataclasses.fields(KiviConfig)]
     for preset, overrides in config.cache_overrides.items():
         if preset not in config.caches:
@@ -161,10 +154,7 @@ def _check(config: RunConfig, path: Path) -> None:
     if config.data_dir is not None and not config.data_dir.is_dir():
         fail("data_dir", FileNotFoundError(f"no folder {config.data_dir}: point the config's top-level data_dir "
                                            "(or KIVI_DATA_DIR) at the local data copies, e.g. ../shared/data"))
-    try:
-        open_root(config.archive).check()
-    except ArchiveLocationError as err:
-        fail("archive", err)
+    check_archive(config.archive, "archive", fail)
     if not config.workloads:
         fail("workloads", ValueError("name at least one workload"))
     sweeps = []
@@ -186,3 +176,23 @@ def _check(config: RunConfig, path: Path) -> None:
         fail("gate", FileNotFoundError(f"no gate rules file {config.gate}"))
     if config.kind == CANARY and not config.baseline_run_id:
         fail("baseline_run_id", ValueError("a canary needs the baseline run to compare with"))
+
+
+def check_model_section(model: ModelSection, fail: Callable[[str, Exception], None]) -> None:
+    """``fail(field, error)`` for a model or tokenizer spec that cannot be resolved (no model loads)."""
+    for field, spec in (("model.spec", model.spec), ("model.tokenizer", model.tokenizer)):
+        if spec is not None:
+            try:
+                check_model_spec(spec)
+            except ModelSpecError as err:
+                fail(field, err)
+    if model.spec.startswith(RANDOM_PREFIX) and model.tokenizer is None:
+        fail("model.tokenizer", ValueError(f"{model.spec} has random weights and no tokenizer; set one, e.g. smollm2-135m"))
+
+
+def check_archive(archive: str, field: str, fail: Callable[[str, Exception], None]) -> None:
+    """``fail(field, error)`` unless the archive root resolves and its store answers."""
+    try:
+        open_root(archive).check()
+    except ArchiveLocationError as err:
+        fail(field, err)

@@ -11,7 +11,8 @@ end; then prompt length, so that sequences admitted together have prompts of sim
    DynamicCache of its own. Waiting for several free slots makes the micro-batches large enough to run at the
    model's speed; a slot freed one at a time would be refilled with a micro-batch of one prompt. The keys and
    values of each finished prompt are stored into its slot (quantized there under KIVI) and its first token
-   chosen from the model's own logits; one host copy for all of them.
+   chosen from the model's own logits (greedy, or drawn with its ``Sampling``: pipeline.sampling, the same in every
+   decode step); one host copy for all of them.
 2. decode: segments of at most ``sync_every`` steps (``pipeline.decode_step``: the model's own forward,
    replayed from one CUDA graph on CUDA; every slot steps, an idle one in place), each step's tokens kept on the
    device; a segment never runs a sequence past its own ``max_new_tokens``.
@@ -38,6 +39,7 @@ from kivi import KiviConfig, enable_kivi
 from kivi.cache import FP16_BYTES
 from kivi.slot_cache import SlotCache, to_device
 from pipeline.decode_step import DecodeStep
+from pipeline.sampling import GREEDY, Sampling, SlotSampling, next_tokens
 
 @dataclass(frozen=True)
 class Sequence:
@@ -47,6 +49,7 @@ class Sequence:
     max_new_tokens: int
     end_ids: frozenset[int] = frozenset()  # ids that end it, excluded from its tokens (EOS); none: runs to the limit
     stop: tuple[str, ...] = ()  # stop strings: it ends with the token that completes one (needs a tokenizer)
+    sampling: Sampling | None = None  # None: greedy
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,8 @@ class DecodeEngine:
     @torch.inference_mode()
     def generate(self, sequences: list[Sequence], kivi: KiviConfig | None, slots: int,
                  sync_every: int | None = None) -> DecodeRun:
-        """Greedy generations of ``sequences`` through ``slots`` slots; fp16 cache when kivi is None."""
+        """Generations of ``sequences`` (greedy unless one has a Sampling) through ``slots`` slots; fp16 cache when kivi
+        is None."""
         if not sequences or min(len(s.prompt) for s in sequences) == 0 or min(s.max_new_tokens for s in sequences) < 1:
             raise ValueError("DecodeEngine.generate: needs non-empty prompts and max_new_tokens >= 1")
         if self.decode is None and any(s.stop for s in sequences):
@@ -146,6 +150,9 @@ class _Batch:
         device, slots = engine.device, cache.state.batch
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each step's input, then its output
         self.history = torch.empty(slots, sync_every, dtype=torch.long, device=device)
+        # Each slot's sampling values, where any sequence samples; otherwise every step is a plain argmax.
+        sampled = any(s.sampling and not s.sampling.greedy for s in sequences)
+        self.sampling = SlotSampling(slots, device) if sampled else None
         # Longest first, by new tokens in powers of two (those that decode long start early instead of running alone
         # at the end), then by prompt length: sequences admitted together have prompts of similar lengths, so
         # little of their prefill goes to padding.
@@ -177,7 +184,8 @@ class _Batch:
         groups, firsts = list(_micro_batches(lengths, self.engine.prefill_tokens)), []
         for group in groups:
             rows, slots = [taken[j][0] for j in group], to_device(torch.tensor([taken[j][1] for j in group]), self.engine.device)
-            first = self._prefill([self.sequences[row].prompt for row in rows], slots)
+            prompts = [self.sequences[row].prompt for row in rows]
+            first = self._choose(self._prefill(prompts, slots), rows, slots, [len(p) for p in prompts])
             self.tokens[slots] = first
             firsts.append(first)
         self.admissions += len(taken)
@@ -193,7 +201,7 @@ class _Batch:
 
     def _prefill(self, prompts: list[list[int]], slots: torch.Tensor) -> torch.Tensor:
         """Run prompts through the stock model (one right-padded micro-batch, or one long prompt in chunks), store
-        their keys and values into ``slots``; the first token of each (from the model's own logits), on the device."""
+        their keys and values into ``slots``; the model's own logits of each prompt's next token [b, V]."""
         engine, device = self.engine, self.engine.device
         kv = DynamicCache()  # every position: a sliding layer loads its window from them
         with sdpa_kernel(PREFILL_SDPA):
@@ -215,19 +223,27 @@ class _Batch:
                                       past_key_values=kv, use_cache=True, logits_to_keep=to_device(ends, device)).logits
                 logits = logits[torch.arange(len(prompts), device=device), to_device(at, device)]
         self.cache.load(slots, [(layer.keys, layer.values) for layer in kv.layers], lengths)
-        return logits.argmax(-1)
+        return logits
+
+    def _choose(self, logits: torch.Tensor, rows: list[int], slots: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """The first tokens of the sequences ``rows`` admitted to ``slots`` (at ``positions``, their prompt lengths),
+        whose Sampling the slots take now."""
+        if self.sampling is None:
+            return logits.argmax(-1)
+        self.sampling.set(slots, [self.sequences[row].sampling or GREEDY for row in rows])
+        return next_tokens(logits, self.sampling.select(slots), to_device(torch.tensor(positions), logits.device))
 
     def _segment(self) -> None:
         began = time.perf_counter()
         n = min(self.sync_every, min(self.sequences[s.index].max_new_tokens - len(s.tokens) for s in self.live.values()))
         engine = self.engine
         if self.graph is None and self.cache.use_kernels and engine.cuda_graph and engine.device.type == "cuda":
-            self.graph = engine.decode_step.capture(self.cache, self.tokens)
+            self.graph = engine.decode_step.capture(self.cache, self.tokens, self.sampling)
             self._sync()
             self.capture_s = time.perf_counter() - began
             began = time.perf_counter()
         for j in range(n):
-            self.graph.replay() if self.graph is not None else engine.decode_step.step(self.cache, self.tokens)
+            self.graph.replay() if self.graph is not None else engine.decode_step.step(self.cache, self.tokens, self.sampling)
             self.history[:, j].copy_(self.tokens)
         history = self.history[:, :n].tolist()  # the segment's one host copy
         self.steps += n
@@ -259,7 +275,10 @@ class _Batch:
         keep, reason = finish
         self.completions[live.index] = Completion(tokens[:keep], reason, time.perf_counter() - live.began)
         del self.live[slot]
-        self.cache.release(to_device(torch.tensor([slot]), self.engine.device))
+        released = to_device(torch.tensor([slot]), self.engine.device)
+        self.cache.release(released)
+        if self.sampling is not None:
+            self.sampling.clear(released)
         self.free.append(slot)
 
 

@@ -3,7 +3,8 @@
 A step is the stock model's ``forward`` on one token per slot: ``position_ids`` from the slot positions (a device
 buffer), the SlotCache as ``past_key_values``, ``logits_to_keep=1``, every attention layer through "kivi-slots"
 (``kivi.slot_attention``: the step's key and value stored, attention, KIVI's flush, all on the device); then the
-next tokens are chosen and the active slots' positions advance. Whatever the model does around its attention
+next tokens are chosen (greedy, or sampled per slot: ``pipeline.sampling``) and the active slots' positions
+advance. Whatever the model does around its attention
 (q/k norms, soft-capping, fused projections, post-norms, embedding and residual multipliers, sliding-window
 layers) is its own code, so every decoder transformers implements with the attention interface is driven the
 same way. Shapes are fixed for a cache's lifetime: on CUDA one step is captured in a CUDA graph and replayed, and
@@ -27,6 +28,7 @@ from kivi.attention import unapplied_arguments
 from kivi.layout import attention_layers, dynamic_rope, model_head_dim, unsupported_layout
 from kivi.slot_attention import stepping
 from kivi.slot_cache import SlotCache
+from pipeline.sampling import SlotSampling, next_tokens
 
 PROBE = "kivi-probe"
 
@@ -133,28 +135,26 @@ def _next_logits(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.
     return out.logits[:, -1]
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(-1)
-
-
 class DecodeStep:
     """The step function of one model: ``step(cache, tokens)`` eagerly, ``capture(cache, tokens)`` as a graph."""
 
     def __init__(self, model: PreTrainedModel, compile_steps: bool | None = None):
-        """``compile_steps`` (default: on CUDA) compiles the forward and the choice of the next tokens."""
+        """``compile_steps`` (default: on CUDA) compiles the forward."""
         if reason := unsupported(model):
             raise UnsupportedModelError(reason)
         self.model = model
         compile_steps = model.device.type == "cuda" if compile_steps is None else compile_steps
         self._logits: Callable = torch.compile(_next_logits, fullgraph=True) if compile_steps else _next_logits
 
-    def step(self, cache: SlotCache, tokens: torch.Tensor, choose: Callable = greedy) -> None:
-        """One decode step for every slot: tokens [B] in, the next tokens (``choose(logits)``) written back into it."""
+    def step(self, cache: SlotCache, tokens: torch.Tensor, sampling: SlotSampling | None = None) -> None:
+        """One decode step for every slot: tokens [B] in, the next tokens written back into it (greedy, or chosen
+        with each slot's ``sampling`` for the position after its input token)."""
         with stepping(self.model, cache):
-            tokens.copy_(choose(self._logits(self.model, tokens, cache.positions, cache)))
+            logits = self._logits(self.model, tokens, cache.positions, cache)
+        tokens.copy_(logits.argmax(-1) if sampling is None else next_tokens(logits, sampling, cache.positions + 1))
         cache.advance()
 
-    def capture(self, cache: SlotCache, tokens: torch.Tensor, choose: Callable = greedy) -> torch.cuda.CUDAGraph:
+    def capture(self, cache: SlotCache, tokens: torch.Tensor, sampling: SlotSampling | None = None) -> torch.cuda.CUDAGraph:
         """Warm up, then capture one step. The warm-up step (it compiles the forward and the kernels and sets up
         cuBLAS) writes only what the first real step rewrites; a second one would overwrite value-ring rows that
         step still reads."""
@@ -163,11 +163,11 @@ class DecodeStep:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            self.step(cache, tokens, choose)
+            self.step(cache, tokens, sampling)
         torch.cuda.current_stream(device).wait_stream(side)
         cache.positions.copy_(saved[0])
         tokens.copy_(saved[1])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.step(cache, tokens, choose)
+            self.step(cache, tokens, sampling)
         return graph

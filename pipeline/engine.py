@@ -29,7 +29,8 @@ class Generation:
     prompt_tokens: int
     output_tokens: int
     latency_s: float  # decode engine: from the request's prefill to its last token; generate: its batch's wall time
-    finish_reason: str | None = None  # "eos", "stop" or "length" (the decode engine's; None from generate)
+    finish_reason: str | None = None  # "eos", "stop" or "length"
+    tokens: tuple[int, ...] = ()  # the generated ids: an ending EOS left out, a stop string's tokens kept
 
 
 def new_cache(model: PreTrainedModel, kivi: KiviConfig | None):
@@ -79,20 +80,25 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], kivi: KiviConfig | None, batch_size: int) -> list[Generation]:
-        """Greedy generations in request order, ``batch_size`` at a time (the decode engine's slots, refilled as
-        requests end; generate's batches); each stops at its max_new_tokens, EOS or a stop string."""
+        """Generations in request order, ``batch_size`` at a time (the decode engine's slots, refilled as requests
+        end; generate's batches), greedy unless a request has a Sampling; each stops at its max_new_tokens, EOS or
+        a stop string."""
         if reason := fallback_reason(self.model, kivi):
             name = FP16 if kivi is None else kivi.name
+            if any(r.sampling and not r.sampling.greedy for r in requests):
+                raise ValueError(f"{name}: sampling runs on the decode engine only, and this cache generates with "
+                                 f"transformers.generate ({reason}), whose draws depend on the batch: generate "
+                                 "greedily (temperature 0) or with a cache the decode engine holds")
             if name not in self.logged:
                 logger.info("%s: generating with transformers.generate, not the decode engine: %s", name, reason)
                 self.logged.add(name)
             return self.generate_with_transformers(requests, kivi, batch_size)
         prompts = self.prompt_ids(requests)
-        sequences = [Sequence(ids, r.max_new_tokens, frozenset() if r.ignore_eos else self.end_ids, r.stop)
+        sequences = [Sequence(ids, r.max_new_tokens, frozenset() if r.ignore_eos else self.end_ids, r.stop, r.sampling)
                      for r, ids in zip(requests, prompts)]
         self.last_run = self.decoder.generate(sequences, kivi, slots=batch_size)
         return [Generation(_cut_at_stop(self._decode(c.tokens), r.stop), len(ids), len(c.tokens),
-                           c.latency_s, c.finish_reason)
+                           c.latency_s, c.finish_reason, tuple(c.tokens))
                 for r, ids, c in zip(requests, prompts, self.last_run.completions)]
 
     @torch.inference_mode()
@@ -119,9 +125,12 @@ class Engine:
         results = []
         for row, request in enumerate(batch):
             new = ids[row, enc.input_ids.shape[1] :][: request.max_new_tokens]
-            new = _until_end(new, {tok.eos_token_id, tok.pad_token_id})
-            text = _cut_at_stop(tok.decode(new, skip_special_tokens=True), request.stop)
-            results.append(Generation(text, int(enc.attention_mask[row].sum()), len(new), latency))
+            ended = _until_end(new, {tok.eos_token_id, tok.pad_token_id})
+            full = tok.decode(ended, skip_special_tokens=True)
+            text = _cut_at_stop(full, request.stop)
+            reason = "stop" if len(text) < len(full) else "eos" if len(ended) < len(new) else "length"
+            results.append(Generation(text, int(enc.attention_mask[row].sum()), len(ended), latency, reason,
+                                      tuple(ended.tolist())))
         return results
 
     @torch.inference_mode()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from scipy.stats import binomtest
 
 from kivi.config import did_you_mean
 from pipeline.archive import ArchiveWriter
@@ -66,9 +67,10 @@ class _Context:
     baseline_run_id: str | None
 
     def kivi_caches(self) -> list[str]:
-        """Every non-fp16 cache the run produced results or perf rows for."""
+        """Every non-fp16 cache the run produced results, generations or perf rows for."""
         _, rows = self.store.query(
-            "SELECT cache FROM results WHERE run_id = $1 UNION SELECT cache FROM perf WHERE run_id = $1", [self.run_id]
+            "SELECT cache FROM results WHERE run_id = $1 UNION SELECT cache FROM generations WHERE run_id = $1 "
+            "UNION SELECT cache FROM perf WHERE run_id = $1", [self.run_id]
         )
         return sorted(c for (c,) in rows if c != FP16)
 
@@ -437,6 +439,53 @@ class SameOutputsAsBaseline(GateRule):
                 detail += ": " + ", ".join(bad[:_SHOWN]) + (", …" if len(bad) > _SHOWN else "")
             verdicts.append(self._verdict(cache, float(len(bad)), 0.0, not bad, detail, baseline))
         return verdicts
+
+
+@_register
+class MinExactMatch(PerCacheRule):
+    """Of the rows a generate run answered greedily under fp16, at least `min_fraction` have the same output under
+    the KIVI cache, token for token (an error or a missing row counts as different): a rollout gated on a team's
+    own traffic, which has no references. Judged on the fraction's exact binomial interval by `test`."""
+
+    kind: Literal["min_exact_match"]
+    reads: ClassVar[tuple[str, ...]] = ("generations",)
+    cache: str | None = Field(None, description="omitted: every KIVI cache of the run")
+    min_fraction: float = Field(ge=0, le=1, description="of the greedy rows, identical to fp16's")
+    test: Literal["regression", "non_inferiority"] = Field(
+        "regression", description="regression: fail when the interval lies below min_fraction; "
+                                  "non_inferiority: pass only when it lies at or above it")
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="of the two-sided interval")
+
+    @property
+    def threshold(self) -> float:
+        return self.min_fraction
+
+    def problems(self, workloads: Mapping[str, Workload], caches: Sequence[str]) -> list[str]:
+        out = super().problems(workloads, caches)
+        if workloads:
+            out.append(f"rule {self.name!r}: min_exact_match reads the generations of a kivi-eval generate run, and "
+                       "this config runs workloads: gate the generate run with it (kivi-eval generate --gate)")
+        return out
+
+    def _read(self, ctx: _Context) -> dict[str, dict[str, Any]]:
+        return {r["cache"]: r for r in ctx.store.records("SELECT * FROM generation_agreement WHERE run_id = $1",
+                                                         [ctx.run_id])}
+
+    def _check_cache(self, cache: str, rows: dict[str, dict[str, Any]]) -> Verdict:
+        row = rows.get(cache)
+        if row is None or not row["greedy_rows"]:
+            return self._verdict(cache, None, self.min_fraction, False, f"missing: no greedy fp16 rows beside {cache}")
+        n, same = row["greedy_rows"], row["exact"]
+        if row["missing"]:
+            return self._verdict(cache, same / n, self.min_fraction, False,
+                                 f"incomplete: {row['missing']} of fp16's rows have no {cache} row")
+        interval = binomtest(same, n).proportion_ci(self.confidence, method="exact")
+        low, high = interval.low, interval.high
+        passed = within_limit(self.test, -same / n, -high, -low, -self.min_fraction)
+        errors = f" ({row['cache_errors']} of them errors under {cache})" if row["cache_errors"] else ""
+        detail = (f"{same} of {n} greedy rows identical to fp16{errors}: {same / n:.3f} [{self.confidence:.0%} CI "
+                  f"{low:.3f}, {high:.3f}]; {self.test}: {'passes' if passed else 'fails'} {self.min_fraction:g}")
+        return self._verdict(cache, same / n, self.min_fraction, passed, detail, n=n, ci_low=low, ci_high=high)
 
 
 def _label(metric: Mapping[str, Any]) -> str:

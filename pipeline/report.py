@@ -1,4 +1,5 @@
-"""Markdown report of one run with PNG plots: scores and deltas, NIAH heatmaps, throughput, verdicts, history.
+"""Markdown report of one run with PNG plots: scores and deltas, NIAH heatmaps, throughput, generations, verdicts,
+history.
 
 Scores are shown in points (score × 100) and deltas as signed points, the units of pipeline.store; every
 delta carries its paired 95% interval and p-value from the store's *_delta_stats views.
@@ -36,6 +37,7 @@ def write_report(store: Store, run_id: str, out_dir: str | os.PathLike[str]) -> 
         _scores(store, run_id, out),
         _niah(store, run_id, out),
         _throughput(store, run_id, out),
+        _generations(store, run_id, out),
         _verdicts(store, run_id),
         _history(store, run_id, out),
         _skipped(store, run_id),
@@ -241,6 +243,49 @@ def _sweep_plot(points: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="small")
+    _save(fig, path)
+
+
+def _generations(store: Store, run_id: str, out: Path) -> str:
+    """A generate run: rows, finish reasons and tokens/s per cache, its error rows, KIVI against fp16 on the same
+    rows, and the output lengths."""
+    order = f"ORDER BY cache <> '{FP16}', cache"
+    summary = store.records(f"SELECT * FROM generation_summary WHERE run_id = $1 {order}", [run_id])
+    if not summary:
+        return ""
+    text = "## Generations\n\n" + _table(
+        ["cache", "rows", "error rows", "output tokens", "mean output tokens", "eos", "stop", "length",
+         "tokens/s per actor", "actor s"],
+        [(r["cache"], r["rows"], r["error_rows"], r["output_tokens"], r["mean_output_tokens"], r["eos"], r["stop"],
+          r["length"], r["tokens_per_s"], r["actor_s"]) for r in summary])
+    errors = store.query(f"""SELECT cache, error_code, count(*) AS rows, any_value(error) AS example FROM generations
+                             WHERE run_id = $1 AND error_code IS NOT NULL GROUP BY cache, error_code {order}, error_code""", [run_id])
+    if errors[1]:
+        text += "\n\n### Error rows\n\n" + _table(*errors)
+    agreement = store.records("SELECT * FROM generation_agreement WHERE run_id = $1 ORDER BY cache", [run_id])
+    if agreement:
+        text += "\n\n### KIVI against fp16 on the same rows (greedy rows)\n\n" + _table(
+            ["cache", "greedy rows", "identical", "exact match", "errors", "missing", "mean first difference (token)",
+             "mean KL to fp16"],
+            [(a["cache"], a["greedy_rows"], a["exact"], a["exact_match"], a["cache_errors"], a["missing"],
+              a["mean_first_diff"], a["mean_kl"]) for a in agreement])
+    lengths = store.query(f"""SELECT cache, list(output_tokens) FROM generations WHERE run_id = $1
+                              AND output_tokens IS NOT NULL GROUP BY cache {order}""", [run_id])[1]
+    _length_histograms(dict(lengths), out / "generation-lengths.png")
+    return text + "\n\n![Output tokens per row, per cache](generation-lengths.png)"
+
+
+def _length_histograms(lengths: dict[str, list[int]], path: Path) -> None:
+    fig = Figure(figsize=(6.5, 3.8), layout="constrained")
+    ax = fig.add_subplot()
+    top = max((max(v) for v in lengths.values() if v), default=1)
+    bins = np.arange(0, top + 2) - 0.5 if top < 64 else 48  # a bar per length where lengths are few
+    for i, (cache, values) in enumerate(lengths.items()):
+        ax.hist(values, bins=bins, histtype="step", linewidth=1.5, color=f"C{i}", label=f"{cache} (n={len(values)})")
+    ax.set_xlabel("output tokens")
+    ax.set_ylabel("rows")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
     _save(fig, path)
 
 

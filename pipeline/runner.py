@@ -10,14 +10,17 @@ import os
 import subprocess
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 from tqdm import tqdm
 
 from pipeline.archive import ArchiveWriter
-from pipeline.config import RunConfig
+from pipeline.config import RaySection, RunConfig
 from pipeline.engine import fallback_reason
 from kivi import KiviConfigError
 from kivi.cache import check_fits_model
@@ -60,28 +63,47 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
     archive = ArchiveWriter(config.archive, run_id)
     manifest = archive.read_run()
     if manifest is not None:
-        _check_resumable(run_id, manifest["config_yaml"], config_yaml)
+        check_resumable(run_id, manifest["config_yaml"], config_yaml, _RESUME_FIELDS)
     fallbacks = check_model(config)  # before the first write: a cache the model cannot hold is a config error
+    _check_sweeps(config, fallbacks)
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.spec)  # a bad spec fails before the first write
-    started = manifest["started_at"] if manifest else dt.datetime.now(dt.UTC)
-    ctx = RunContext(run_id, config, started, _git_sha())
-    if manifest is None:
-        archive.write_run(dict(kind=config.kind, model=config.model.spec, git_sha=ctx.git_sha, config_yaml=config_yaml,
-                               baseline_run_id=config.baseline_run_id, started_at=started, versions=_versions()))
-    else:
-        archive.update_run_status("running")
+    ctx = run_context(run_id, config, manifest)
     summary, skipped = RunSummary(run_id), None
-    try:
+    row = manifest_row(ctx, config.kind, config_yaml, baseline_run_id=config.baseline_run_id)
+    with recorded(archive, manifest, row, lambda: dict(skipped=skipped, placements=summary.placements,
+                                                       fallbacks=summary.fallbacks)):
         shard_jobs, sweep_jobs, skipped = _plan(config, archive, summary, tokenizer, fallbacks)
         if summary.fallbacks:  # kept from the start: a killed driver's manifest says it too
             archive.update_run_status("running", fallbacks=summary.fallbacks)
         _execute(config, ctx, shard_jobs, sweep_jobs, summary, progress, in_process)
-    except BaseException as err:  # an interrupt too: the manifest never stays "running" after the driver is gone
-        archive.update_run_status("failed", skipped=skipped, placements=summary.placements, fallbacks=summary.fallbacks,
-                                  error=describe_failure(err))
-        raise
-    archive.update_run_status("complete", skipped=skipped, placements=summary.placements, fallbacks=summary.fallbacks)
     return summary
+
+
+def run_context(run_id: str, config, manifest: dict | None) -> RunContext:
+    """The context every worker of the run gets; a resumed run keeps its start."""
+    return RunContext(run_id, config, manifest["started_at"] if manifest else dt.datetime.now(dt.UTC), _git_sha())
+
+
+def manifest_row(ctx: RunContext, kind: str, config_yaml: str, **fields) -> dict:
+    """The manifest a new run starts with."""
+    return dict(kind=kind, model=ctx.config.model.spec, git_sha=ctx.git_sha, config_yaml=config_yaml,
+                started_at=ctx.started_at, versions=_versions(), **fields)
+
+
+@contextmanager
+def recorded(archive: ArchiveWriter, manifest: dict | None, row: dict, outcome: Callable[[], dict]) -> Iterator[None]:
+    """The manifest around a run's work: ``row`` written (a resumed run's ``manifest`` set running again), then
+    complete, or failed with the error, and ``outcome()``'s fields either way."""
+    if manifest is None:
+        archive.write_run(row)
+    else:
+        archive.update_run_status("running")
+    try:
+        yield
+    except BaseException as err:  # an interrupt too: the manifest never stays "running" after the driver is gone
+        archive.update_run_status("failed", **outcome(), error=describe_failure(err))
+        raise
+    archive.update_run_status("complete", **outcome())
 
 
 # What decides a run's requests, shards and caches: a resume under other values would take the files of one
@@ -93,14 +115,15 @@ class ResumeError(InputError):
     """A run id resumed with a config whose requests or shards differ from those the run was started with."""
 
 
-def _check_resumable(run_id: str, started_yaml: str | None, config_yaml: str) -> None:
+def check_resumable(run_id: str, started_yaml: str | None, config_yaml: str, fields: tuple[str, ...]) -> None:
+    """Refuse a resume whose config differs from the one the run started with in any of ``fields`` (dotted)."""
     def field(config: dict, name: str):
         for key in name.split("."):
             config = config.get(key) if isinstance(config, dict) else None
         return config
 
     started, now = (yaml.safe_load(text or "") or {} for text in (started_yaml, config_yaml))
-    changed = [name for name in _RESUME_FIELDS if field(started, name) != field(now, name)]
+    changed = [name for name in fields if field(started, name) != field(now, name)]
     if changed:
         raise ResumeError(
             f"run {run_id} was started with other {', '.join(changed)}: its files would not match this config's "
@@ -146,16 +169,30 @@ def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary, tokeni
 def _execute(config: RunConfig, ctx: RunContext, shard_jobs, sweep_jobs, summary: RunSummary, progress: bool,
              in_process: bool) -> None:
     # Longest first: a sweep dispatched last would leave the other actors idle while it runs alone.
-    jobs = [("sweep", job) for job in sweep_jobs] + [("shard", job) for job in shard_jobs]
+    jobs = [("run_sweep", job) for job in sweep_jobs] + [("run_shard", job) for job in shard_jobs]
     if not jobs:
         return
-    finished = _in_process(ctx, jobs, summary) if in_process else _on_ray(config, ctx, jobs, summary)
-    for actor, kind, job in tqdm(finished, total=len(jobs), desc=f"run {ctx.run_id}", unit="job", disable=not progress):
+    finished = run_jobs(EvalWorker, ctx, config.ray, jobs, summary.placements, in_process)
+    for actor, (method, job), _ in tqdm(finished, total=len(jobs), desc=f"run {ctx.run_id}", unit="job",
+                                        disable=not progress):
         summary.placements[actor]["jobs"] += 1
-        if kind == "shard":
+        if method == "run_shard":
             summary.computed += [(job[0].workload, job[0].index, cache) for cache in job[1]]
         else:
             summary.sweeps.append(job[2])
+
+
+Job = tuple[str, tuple]  # (the worker method, its arguments)
+
+
+def run_jobs(worker_cls: type, ctx: RunContext, ray: RaySection, jobs: list[Job], placements: list[dict],
+             in_process: bool) -> Iterator[tuple[int, Job, Any]]:
+    """Run ``jobs`` on workers of ``worker_cls`` (a ModelWorker): Ray actors, or with ``in_process`` one worker in
+    this process; yields (worker index, job, its result) as jobs finish. ``placements`` is filled in place, one
+    entry per worker that came up."""
+    if in_process:
+        return _in_process(worker_cls, ctx, jobs, placements)
+    return _on_ray(worker_cls, ctx, ray, jobs, placements)
 
 
 def _started(placement: dict, requested: float, previous: dict) -> dict:
@@ -166,18 +203,17 @@ def _started(placement: dict, requested: float, previous: dict) -> dict:
                         "lost_jobs": previous.get("lost_jobs", 0)}
 
 
-def _in_process(ctx: RunContext, jobs: list, summary: RunSummary):
+def _in_process(worker_cls: type, ctx: RunContext, jobs: list[Job], placements: list[dict]):
     """The same worker without Ray: one model load in this process, jobs in order (hosts without Ray, debugging)."""
     requested = time.perf_counter()
-    worker = EvalWorker(ctx)
-    summary.placements = [_started(worker.placement(), requested, {})]
-    for kind, job in jobs:
-        worker.run_shard(*job) if kind == "shard" else worker.run_sweep(*job)
-        yield 0, kind, job
+    worker = worker_cls(ctx)
+    placements[:] = [_started(worker.placement(), requested, {})]
+    for method, args in jobs:
+        yield 0, (method, args), getattr(worker, method)(*args)
 
 
-def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary):
-    """One actor per GPU (or CPU actors), each loading the model once; yields (actor, kind, job) as jobs finish.
+def _on_ray(worker_cls: type, ctx: RunContext, section: RaySection, jobs: list[Job], placements: list[dict]):
+    """One actor per GPU (or CPU actors), each loading the model once; yields (actor, job, result) as jobs finish.
 
     A job whose actor died (its process, or its whole node) goes back to the front of the queue for the next free
     actor, on whatever node; Ray restarts the dead actor where resources allow, and it takes jobs again once up.
@@ -187,23 +223,23 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
     if not ray.is_initialized():
         # Each local start warns that Ray turned on token auth, its default: a line per run that asks nothing.
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        ray.init(address=config.ray.address, log_to_driver=True)
+        ray.init(address=section.address, log_to_driver=True)
     cluster = ray.cluster_resources()
     gpus = int(cluster.get("GPU", 0))
-    n_actors = config.ray.num_actors or max(gpus, 1)
+    n_actors = section.num_actors or max(gpus, 1)
     # Ray sets a CPU actor's torch threads to its num_cpus: without GPUs, actors split the cluster's cores.
-    cpus = config.ray.cpus_per_actor or max(int(cluster.get("CPU", 1)) // n_actors, 1)
+    cpus = section.cpus_per_actor or max(int(cluster.get("CPU", 1)) // n_actors, 1)
     resources = dict(num_gpus=1) if gpus else dict(num_cpus=cpus)
-    if config.ray.resources:
-        resources["resources"] = dict(config.ray.resources)
+    if section.resources:
+        resources["resources"] = dict(section.resources)
     # No task retries inside Ray: they would wait for the dead actor's restart, forever where no node has room.
-    actor_cls = ray.remote(max_restarts=config.ray.max_retries, max_task_retries=0)(EvalWorker)
+    actor_cls = ray.remote(max_restarts=section.max_retries, max_task_retries=0)(worker_cls)
     if CRASH_ONCE_ENV in os.environ:  # fault injection reaches actors of an already running cluster too
         resources["runtime_env"] = {"env_vars": {CRASH_ONCE_ENV: os.environ[CRASH_ONCE_ENV]}}
     requested = time.perf_counter()
     actors = [actor_cls.options(**resources).remote(ctx) for _ in range(n_actors)]
     starting = {}  # probe ref -> actor index; each actor's placement is stamped as it comes up
-    summary.placements = [{} for _ in actors]
+    placements[:] = [{} for _ in actors]
     queue, idle, running, losses, deaths = list(enumerate(jobs)), [], {}, [0] * len(jobs), [0] * n_actors
     last_death = RuntimeError("every actor died and Ray restarts none")
 
@@ -212,7 +248,7 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
 
     def died(index: int) -> None:  # Ray restarts it until its restarts are spent; it rejoins the pool once up
         deaths[index] += 1
-        if deaths[index] <= config.ray.max_retries:
+        if deaths[index] <= section.max_retries:
             probe(index)
 
     for index in range(n_actors):
@@ -220,11 +256,9 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
     try:
         while queue or running:
             while queue and idle:
-                number, (kind, job) = queue.pop(0)
+                number, (method, args) = queue.pop(0)
                 index = idle.pop()
-                actor = actors[index]
-                ref = actor.run_shard.remote(*job) if kind == "shard" else actor.run_sweep.remote(*job)
-                running[ref] = (index, number)
+                running[getattr(actors[index], method).remote(*args)] = (index, number)
             if not (running or starting):
                 raise last_death  # no actor left to run the queue: the run stops, a rerun resumes
             (ref,), _ = ray.wait([*starting, *running], num_returns=1)
@@ -236,38 +270,38 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
                     last_death = err
                     died(index)
                     continue
-                summary.placements[index] = _started(placement, requested, summary.placements[index])
+                placements[index] = _started(placement, requested, placements[index])
                 idle.append(index)
                 continue
             index, number = running.pop(ref)
             try:
-                ray.get(ref)  # re-raises a job's own error: the run stops, a rerun resumes
+                result = ray.get(ref)  # re-raises a job's own error: the run stops, a rerun resumes
             except ray.exceptions.RayActorError:
                 losses[number] += 1
-                if losses[number] > config.ray.max_retries:
+                if losses[number] > section.max_retries:
                     raise
-                summary.placements[index]["lost_jobs"] += 1
+                placements[index]["lost_jobs"] += 1
                 queue.insert(0, (number, jobs[number]))
                 died(index)
                 continue
             idle.append(index)
-            yield index, *jobs[number]
+            yield index, jobs[number], result
     finally:
         for actor in actors:
             ray.kill(actor)
-        summary.placements = [p for p in summary.placements if p]  # an actor that never came up ran nothing
+        placements[:] = [p for p in placements if p]  # an actor that never came up ran nothing
 
 
-def check_model(config: RunConfig) -> dict[str, str]:
-    """Every cache of the config against the model, from its config alone (its modules on the meta device), before
-    any weights load: a KIVI cache the model cannot hold, a sweep the decode engine cannot run, or a context past the
-    model's positions is a ConfigError naming the field. Returns the caches whose generations go through
-    transformers.generate, and why; prints a line for a KIVI cache that would quantize nothing on this model."""
+def check_model(config) -> dict[str, str]:
+    """Every cache of a run or generate config against the model, from its config alone (its modules on the meta
+    device), before any weights load: a KIVI cache the model cannot hold, or a context past the model's positions, is
+    a ConfigError naming the field. Returns the caches whose generations go through transformers.generate, and why;
+    prints a line for a KIVI cache that would quantize nothing on this model."""
     model_config = load_model_config(config.model.spec)
     text = model_config.get_text_config(decoder=True)
-    positions = getattr(text, "max_position_embeddings", None)
-    if positions and config.model.max_context > positions:
-        raise ConfigError(f"model.max_context: {config.model.max_context} tokens is past the {positions} positions of "
+    positions, context = getattr(text, "max_position_embeddings", None), config.model.max_context
+    if positions and context and context > positions:
+        raise ConfigError(f"model.max_context: {context} tokens is past the {positions} positions of "
                           f"{config.model.spec}; lower it to {positions} or less")
     layers = attention_layers(text) if unsupported_layout(text) is None else []
     for name, kivi in config.kivi_configs().items():
@@ -285,12 +319,15 @@ def check_model(config: RunConfig) -> dict[str, str]:
     except ValueError as err:  # transformers builds no causal LM of this config (an encoder-decoder, say)
         raise ConfigError(f"model.spec: {config.model.spec} is not a decoder-only model transformers can build: "
                           f"{str(err).splitlines()[0]}") from None
-    fallbacks = {name: reason for name, kivi in config.kivi_configs().items() if (reason := fallback_reason(model, kivi))}
+    return {name: reason for name, kivi in config.kivi_configs().items() if (reason := fallback_reason(model, kivi))}
+
+
+def _check_sweeps(config: RunConfig, fallbacks: dict[str, str]) -> None:
+    """A throughput sweep runs on the decode engine: every cache must be one it drives on this model."""
     sweeps = [name for name, w in config.build_workloads().items() if w.kind == "throughput"]
     if sweeps and fallbacks:
         name, reason = next(iter(fallbacks.items()))
         raise ConfigError(f"workloads.{sweeps[0]}: the sweep runs on the decode engine, which cannot run {name}: {reason}")
-    return fallbacks
 
 
 def workload_requests(workload: Workload, tokenizer, max_context: int) -> list[Request]:

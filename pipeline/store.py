@@ -5,8 +5,8 @@ every `delta_points` is 100 × (other − reference) in percentage points, so �
 An errored request (score null, error set) counts as 0: a cache that crashes on hard requests must not
 look better for it. Views:
 
-- results, perf, runs, verdicts: the archive tables (empty, with their columns, before any file exists).
-- run_summary: one row per run id in runs, results or perf: kind, model, status, times, and row counts.
+- results, perf, runs, verdicts, generations: the archive tables (empty, with their columns, before any file exists).
+- run_summary: one row per run id in runs, results, perf or generations: kind, model, status, times, row counts.
 - task_scores: mean score per run / workload / task / cache, with n and n_errors.
 - workload_scores: per run / workload / cache; LongBench averages its task means, others average requests.
 - kivi_task_deltas, kivi_deltas: each non-fp16 cache vs fp16 of the same run, per task and per workload,
@@ -23,6 +23,14 @@ look better for it. Views:
   baseline_task_delta_stats(...): the same deltas with their paired statistics at 95% (pipeline.stats):
   n_pairs, clusters, delta_points, ci_low, ci_high, p_value, test, mde_points. Baseline pairs match by
   request id within the same workload version.
+- generation_pairs: every fp16 row of a generate run beside the same input row under each other cache of the run:
+  greedy (fp16 chose by argmax), exact_match (the cache gave the same token ids; false where it errored or is
+  missing, null where fp16 errored), first_diff (the index of the first token where they part), the cache's KL.
+- generation_agreement: per run and KIVI cache, over the rows fp16 generated greedily: greedy_rows, exact (rows
+  identical), exact_match (their fraction), cache_errors, missing (rows the cache has not written: a partial
+  run), mean_first_diff (over the rows that differ), mean_kl (--score-kl).
+- generation_summary: per run and cache: rows, error_rows, output tokens (total, mean), finish reasons (eos,
+  stop, length) and tokens_per_s, output tokens over the actors' seconds on its shards (actor_s).
 - paired_delta_stats(reference_scores, candidate_scores, clusters, mean_of_clusters, confidence): the scalar
   function behind those views, for any pairing a query builds (lists from `list(...)` in a GROUP BY).
 """
@@ -80,13 +88,17 @@ _VIEWS = {
         WITH r AS (SELECT run_id, any_value(model) AS model, count(*) AS results, count(error) AS errors
                    FROM results GROUP BY run_id),
              p AS (SELECT run_id, any_value(model) AS model, count(*) AS perf_points FROM perf GROUP BY run_id),
-             v AS (SELECT run_id, count(*) AS verdicts FROM verdicts GROUP BY run_id)
-        SELECT run_id, m.kind, coalesce(m.model, r.model, p.model) AS model, m.status, m.started_at, m.finished_at,
-               coalesce(r.results, 0) AS results, coalesce(r.errors, 0) AS errors,
-               coalesce(p.perf_points, 0) AS perf_points, coalesce(v.verdicts, 0) AS verdicts
-        FROM (SELECT run_id FROM runs UNION SELECT run_id FROM results UNION SELECT run_id FROM perf)
+             v AS (SELECT run_id, count(*) AS verdicts FROM verdicts GROUP BY run_id),
+             g AS (SELECT run_id, any_value(model) AS model, count(*) AS generations, count(error_code) AS error_rows
+                   FROM generations GROUP BY run_id)
+        SELECT run_id, m.kind, coalesce(m.model, r.model, p.model, g.model) AS model, m.status, m.started_at,
+               m.finished_at, coalesce(r.results, 0) AS results, coalesce(r.errors, 0) AS errors,
+               coalesce(p.perf_points, 0) AS perf_points, coalesce(v.verdicts, 0) AS verdicts,
+               coalesce(g.generations, 0) AS generations, coalesce(g.error_rows, 0) AS generation_errors
+        FROM (SELECT run_id FROM runs UNION SELECT run_id FROM results UNION SELECT run_id FROM perf
+              UNION SELECT run_id FROM generations)
              LEFT JOIN runs m USING (run_id) LEFT JOIN r USING (run_id) LEFT JOIN p USING (run_id)
-             LEFT JOIN v USING (run_id)""",
+             LEFT JOIN v USING (run_id) LEFT JOIN g USING (run_id)""",
     "task_scores": """
         SELECT run_id, model, workload, workload_version, task, cache, any_value(metric) AS metric,
                avg(coalesce(score, 0)) AS score, count(*) AS n, count(error) AS n_errors
@@ -160,6 +172,39 @@ _VIEWS = {
                      c.max_batch / f.max_batch AS batch_ratio,
                      ratio_interval_stats(f.best_timings, c.best_timings, {VIEW_CONFIDENCE}) AS r
               FROM c LEFT JOIN c AS f ON f.run_id = c.run_id AND f.workload = c.workload AND f.cache = '{FP16}')""",
+    # Driven from fp16's rows, so that a row the cache lost or failed counts against it.
+    "generation_pairs": f"""
+        SELECT f.run_id, f.model, c.cache, f.row, f.id, f.temperature = 0 AS greedy, f.error_code AS fp16_error,
+               k.error_code AS cache_error, k.row IS NULL AS missing,
+               CASE WHEN f.error_code IS NULL THEN coalesce(k.output_token_ids = f.output_token_ids, false) END
+                   AS exact_match,
+               CASE WHEN k.output_token_ids <> f.output_token_ids THEN list_position(list_transform(
+                   list_zip(f.output_token_ids, k.output_token_ids), lambda t: t[1] IS DISTINCT FROM t[2]), true) - 1
+               END AS first_diff,
+               f.output_tokens AS fp16_output_tokens, k.output_tokens, k.kl_to_fp16
+        FROM generations f
+        JOIN (SELECT DISTINCT run_id, cache FROM generations WHERE cache <> '{FP16}') c USING (run_id)
+        LEFT JOIN generations k ON k.run_id = f.run_id AND k.cache = c.cache AND k.row = f.row
+        WHERE f.cache = '{FP16}'""",
+    "generation_agreement": """
+        SELECT run_id, any_value(model) AS model, cache,
+               count(*) FILTER (WHERE greedy AND fp16_error IS NULL) AS greedy_rows,
+               count(*) FILTER (WHERE greedy AND exact_match) AS exact,
+               avg(exact_match::INT) FILTER (WHERE greedy) AS exact_match,
+               count(*) FILTER (WHERE cache_error IS NOT NULL AND fp16_error IS NULL) AS cache_errors,
+               count(*) FILTER (WHERE missing) AS missing,
+               avg(first_diff) FILTER (WHERE greedy) AS mean_first_diff, avg(kl_to_fp16) AS mean_kl
+        FROM generation_pairs GROUP BY run_id, cache""",
+    "generation_summary": """
+        WITH shards AS (SELECT run_id, cache, shard, any_value(shard_s) AS shard_s FROM generations GROUP BY ALL),
+             actors AS (SELECT run_id, cache, sum(shard_s) AS actor_s FROM shards GROUP BY ALL)
+        SELECT run_id, any_value(g.model) AS model, cache, count(*) AS rows, count(g.error_code) AS error_rows,
+               sum(g.output_tokens) AS output_tokens, avg(g.output_tokens) AS mean_output_tokens,
+               count(*) FILTER (WHERE g.finish_reason = 'eos') AS eos,
+               count(*) FILTER (WHERE g.finish_reason = 'stop') AS stop,
+               count(*) FILTER (WHERE g.finish_reason = 'length') AS length,
+               sum(g.output_tokens) / any_value(a.actor_s) AS tokens_per_s, any_value(a.actor_s) AS actor_s
+        FROM generations g JOIN actors a USING (run_id, cache) GROUP BY run_id, cache""",
 }
 
 # Driven from the baseline side so that a metric the candidate lost shows up (candidate_score null).

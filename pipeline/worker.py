@@ -1,7 +1,8 @@
 """The evaluation worker: loads the model once, runs shards under every cache configuration, writes Parquet.
 
 The class is plain Python so it runs the same with or without Ray; ``pipeline.runner`` wraps it in a Ray
-actor that pins one GPU (or some CPUs). Results are written by the worker as each shard × cache finishes,
+actor that pins one GPU (or some CPUs). Its model loading (``ModelWorker``) is shared with the generation worker
+(``pipeline.generation.worker``). Results are written by the worker as each shard × cache finishes,
 one file each, atomically: a dead worker loses only the shard it was on, and a retry overwrites, never
 duplicates.
 """
@@ -14,6 +15,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +25,9 @@ from pipeline.engine import Engine, Generation
 from pipeline.models import load_model, resolve_dtype
 from pipeline.workloads import Request, Workload
 
+if TYPE_CHECKING:
+    from pipeline.generation.config import GenerateConfig
+
 # Fault injection for the failure tests: the worker process exits when it starts this shard the first time.
 CRASH_ONCE_ENV = "KIVI_EVAL_CRASH_ONCE"
 
@@ -30,7 +35,7 @@ CRASH_ONCE_ENV = "KIVI_EVAL_CRASH_ONCE"
 @dataclass(frozen=True)
 class RunContext:
     run_id: str
-    config: RunConfig
+    config: RunConfig | GenerateConfig
     started_at: dt.datetime
     git_sha: str | None
 
@@ -47,7 +52,10 @@ def crash_marker(run_id: str, workload: str, shard: int) -> str:
     return f".crashed-{run_id}-{workload}-{shard}"
 
 
-class EvalWorker:
+class ModelWorker:
+    """One process's model, loaded once on its device (a GPU, else the CPU), with the engine around it and the run's
+    archive: what the Ray actors of evaluation and generation runs share."""
+
     def __init__(self, ctx: RunContext):
         began = time.perf_counter()
         self.ctx, cfg = ctx, ctx.config
@@ -60,10 +68,12 @@ class EvalWorker:
         dtype = resolve_dtype(cfg.model.dtype, self.device)
         model, tokenizer = load_model(cfg.model.spec, self.device, dtype, tokenizer=cfg.model.tokenizer)
         self.engine = Engine(model, tokenizer)
-        self.workloads: dict[str, Workload] = cfg.build_workloads()
-        self.caches = cfg.kivi_configs()
         self.archive = ArchiveWriter(cfg.archive, ctx.run_id)
+        self._prepare()
         self.load_s = time.perf_counter() - began
+
+    def _prepare(self) -> None:
+        """What this kind of worker sets up beside the model (its workloads …), counted in its start-up."""
 
     def placement(self) -> dict:
         """Where this worker runs: what a multi-GPU run reports per actor."""
@@ -84,10 +94,26 @@ class EvalWorker:
                     gpu_uuid=str(torch.cuda.get_device_properties(self.device).uuid) if cuda else None,
                     load_s=round(self.load_s, 1))  # model load and workloads, in this worker's constructor
 
+    def _maybe_crash(self, workload: str, shard: int) -> None:
+        if os.environ.get(CRASH_ONCE_ENV) != f"{workload}:{shard}":
+            return
+        marker = crash_marker(self.ctx.run_id, workload, shard)
+        if not self.archive.root.exists(marker):
+            self.archive.root.write(marker, b"")
+            os._exit(1)  # a hard death, as an OOM kill or a lost node
+
+
+class EvalWorker(ModelWorker):
+    """Runs an evaluation's shards and sweeps under every cache configuration."""
+
+    def _prepare(self) -> None:
+        self.workloads: dict[str, Workload] = self.ctx.config.build_workloads()
+        self.caches = self.ctx.config.kivi_configs()
+
     def run_shard(self, shard: Shard, caches: list[str]) -> dict[str, int]:
         """Generate, score and write one shard under each named cache not yet in the archive (a shard retried after
         its actor died keeps what that actor wrote); returns rows written per cache."""
-        self._maybe_crash(shard)
+        self._maybe_crash(shard.workload, shard.index)
         workload = self.workloads[shard.workload]
         written = {}
         for cache in caches:
@@ -163,12 +189,3 @@ class EvalWorker:
             residual_length=kivi and kivi.residual_length, reference=request.reference,
             meta=json.dumps(workload.result_meta(request)),
         )
-
-    def _maybe_crash(self, shard: Shard) -> None:
-        if os.environ.get(CRASH_ONCE_ENV) != f"{shard.workload}:{shard.index}":
-            return
-        marker = crash_marker(self.ctx.run_id, shard.workload, shard.index)
-        if not self.archive.root.exists(marker):
-            self.archive.root.write(marker, b"")
-            os._exit(1)  # a hard death, as an OOM kill or a lost node
-

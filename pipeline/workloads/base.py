@@ -17,6 +17,8 @@ from pipeline.workloads.data import require_hub
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from pipeline.sampling import Sampling
+
 
 class WorkloadOptionError(ValueError):
     """A workload option has a bad value, or is not an option of that workload."""
@@ -45,6 +47,7 @@ class Request:
     prompt_tokens: int | None = None  # the prompt's length as the workload sampled it (ShareGPT)
     all_classes: tuple[str, ...] | None = None  # the label set a classification metric scores against (LongBench)
     teacher_forcing: TeacherForcing | None = None  # set on the requests of teacher_forced workloads
+    sampling: Sampling | None = None  # how its tokens are chosen (pipeline.sampling); None: greedy
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> str:

@@ -61,7 +61,7 @@ def test_an_archive_uri_that_pyarrow_cannot_resolve_or_that_holds_credentials_is
 def test_a_bad_statement_is_one_error_line_listing_the_views(shared_archive, capsys, sql, says) -> None:
     assert main(["query", sql, "--archive", shared_archive]) == 2
     line = error_line(capsys)
-    assert says in line and "views and macros: results, perf, runs, verdicts, run_summary" in line
+    assert says in line and "views and macros: results, perf, runs, verdicts, generations, run_summary" in line
     assert "baseline_deltas(candidate_run, baseline_run)" in line
 
 
@@ -69,7 +69,7 @@ def test_runs_lists_every_run_newest_first_with_its_row_counts(shared_archive, c
     assert main(["runs", "--archive", shared_archive]) == 0
     header, _, *rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()]
     assert header == ["run_id", "kind", "model", "status", "started_at", "finished_at", "results", "errors",
-                      "perf_points", "verdicts"]
+                      "perf_points", "verdicts", "generations", "generation_errors"]
     # canary-b was stamped when the archive was built; nightly-a started on 2025-06-01.
     assert [(r[0], r[1], r[3], r[6], r[7], r[8]) for r in rows] == [
         ("canary-b", "canary", "complete", "117", "0", "14"), ("nightly-a", "nightly", "complete", "117", "1", "21")]

@@ -60,14 +60,16 @@ def ray_head(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model_folder(tmp_path_factory):
-    """tiny_model_folder(head_dim) -> a saved random 2-layer Llama (1 KV head) with SmolLM2's tokenizer."""
+    """tiny_model_folder(head_dim, vocab_size=None) -> a saved random 2-layer Llama (1 KV head) with SmolLM2's
+    tokenizer; a vocabulary smaller than the tokenizer's (its ids fold into it) makes every step cheaper."""
     from pipeline.models import load_tokenizer
 
-    def make(head_dim: int) -> Path:
-        folder = tmp_path_factory.mktemp(f"tiny-llama-d{head_dim}")
+    def make(head_dim: int, vocab_size: int | None = None) -> Path:
+        folder = tmp_path_factory.mktemp(f"tiny-llama-d{head_dim}-v{vocab_size}")
         tokenizer = load_tokenizer("smollm2-135m")
         config = LlamaConfig(hidden_size=2 * head_dim, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                             num_key_value_heads=1, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+                             num_key_value_heads=1, vocab_size=vocab_size or len(tokenizer),
+                             eos_token_id=tokenizer.eos_token_id)
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(folder)
         tokenizer.save_pretrained(folder)

@@ -102,7 +102,7 @@ def test_starting_ray_prints_no_warning_that_token_auth_is_on(monkeypatch):
     auth.logger.addHandler(handler)
     try:
         with pytest.raises(_Started):
-            next(runner._on_ray(config, None, [], runner.RunSummary("r1")))
+            next(runner.run_jobs(runner.EvalWorker, None, config.ray, [], [], in_process=False))
     finally:
         auth.logger.removeHandler(handler)
         auth.logger.setLevel(level)

@@ -1,9 +1,11 @@
 """Continuous batching on the static cache: slots refilled as sequences end, outputs equal to one-at-a-time
-decoding and to transformers.generate, in request order; end ids, stop strings and the fallback to generate.
+decoding and to transformers.generate, in request order; end ids, stop strings, sampled sequences and the fallback
+to generate.
 
 On the CPU the steps run eagerly on the kivi/ oracle; on the GPU the same scheduler replays one CUDA graph.
 """
 
+import dataclasses
 import logging
 
 import pytest
@@ -14,6 +16,7 @@ from kivi import KiviCache, KiviConfig, enable_kivi
 from pipeline.decode_engine import DecodeEngine, Sequence
 from pipeline.engine import Engine
 from pipeline.models import load_tokenizer
+from pipeline.sampling import Sampling, SlotSampling, next_tokens
 from pipeline.workloads import Request
 
 KIVI_CACHES = [None, KiviConfig(residual_length=32)]
@@ -117,7 +120,10 @@ def test_the_engine_generates_through_the_decode_engine_and_falls_back_to_genera
             fallen = engine.generate(requests(3), token_keys, batch_size=2)
     (line,) = engine_lines(caplog)
     assert "kivi-k2v2-g32-r128-ktoken: generating with transformers.generate" in line and "key_axis" in line
-    assert [g.finish_reason for g in fallen] == [None] * 3 and all(g.output_tokens <= 6 + i for i, g in enumerate(fallen))
+    assert {g.finish_reason for g in fallen} <= {"eos", "length"} and all(g.output_tokens <= 6 + i for i, g in enumerate(fallen))
+    sampled = [dataclasses.replace(r, sampling=Sampling(temperature=1.0)) for r in requests(2)]
+    with pytest.raises(ValueError, match="sampling runs on the decode engine only"):
+        engine.generate(sampled, token_keys, batch_size=2)  # generate's draws would depend on the batch
 
 
 def test_a_model_the_decode_engine_cannot_drive_generates_through_transformers(model, tokenizer, caplog):
@@ -133,3 +139,36 @@ def test_a_model_the_decode_engine_cannot_drive_generates_through_transformers(m
     assert "fp16: generating with transformers.generate" in line and "'dynamic' rotary scaling" in line
     direct = Engine(model, tokenizer).generate(requests(2), None, batch_size=2)
     assert [g.text for g in fallen] == [g.text for g in direct]  # the same greedy tokens either way
+
+
+def sample_alone(model, prompt: list[int], new_tokens: int, kivi: KiviConfig | None, sampling: Sampling) -> list[int]:
+    """The definition: the model's own forward over a transformers cache, each token drawn by next_tokens at its
+    index in the sequence."""
+    cache = KiviCache(model.config, kivi) if kivi else None
+    enable_kivi(model)
+    params = SlotSampling(1, "cpu")
+    params.set(torch.tensor([0]), [sampling])
+    tokens, feed = [], torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model(feed, use_cache=True, past_key_values=cache)
+        for _ in range(new_tokens):
+            token = next_tokens(out.logits[:, -1], params, torch.tensor([len(prompt) + len(tokens)]))
+            tokens.append(int(token))
+            out = model(token[:, None], past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+@pytest.mark.parametrize("kivi", KIVI_CACHES, ids=CACHE_IDS)
+def test_sampled_sequences_draw_their_own_tokens_whatever_slot_batch_or_refill_and_greedy_ones_stay_greedy(model, kivi):
+    lengths, news = (30, 9, 52, 14, 25), (20, 12, 6, 24, 10)
+    samplings = [Sampling(temperature=1.2, seed=7), None, Sampling(temperature=0.8, top_k=20, seed=7),
+                 Sampling(temperature=1.0, top_p=0.9, seed=-3), Sampling(temperature=1.5, top_k=50, top_p=0.8, seed=1)]
+    sequences = [Sequence(p, n, sampling=s) for p, n, s in zip(prompts(*lengths), news, samplings)]
+    engine = DecodeEngine(model, prefill_tokens=32, sync_every=4)
+    two_slots = engine.generate(sequences, kivi, slots=2).completions
+    for sequence, completion in zip(sequences, two_slots, strict=True):
+        want = (generate_alone(model, sequence.prompt, sequence.max_new_tokens, kivi) if sequence.sampling is None
+                else sample_alone(model, sequence.prompt, sequence.max_new_tokens, kivi, sequence.sampling))
+        assert completion.tokens == want, len(sequence.prompt)
+    reordered = engine.generate(sequences[::-1], kivi, slots=5).completions[::-1]  # other slots, one batch
+    assert [c.tokens for c in reordered] == [c.tokens for c in two_slots]
