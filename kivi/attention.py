@@ -60,16 +60,27 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     return (probs @ value.float()).to(query.dtype).transpose(1, 2).contiguous()
 
 
-# What transformers' attention functions may be passed besides query, key, value and mask: these the KIVI
+# What transformers' attention functions may be handed besides query, key, value and mask: these the KIVI
 # attentions apply (a window is the mask's, or the layer's ring) ...
 APPLIED = ("scaling", "dropout", "softcap", "sliding_window")
-# ... and these change nothing in the result of a causal decoder's attention.
+# ... these change nothing in the result of a causal decoder's attention ...
 NEUTRAL = ("position_ids", "use_cache", "output_attentions", "output_router_logits", "cu_seq_lens_q", "cu_seq_lens_k",
-           "max_length_q", "max_length_k")
+           "max_length_q", "max_length_k", "is_causal")
+# ... and these change it in ways the KIVI attentions do not follow: attention sinks (gpt-oss), position biases
+# (T5-style), sparse indices.
+UNAPPLIED = ("s_aux", "position_bias", "indices", "block_indices")
 
 
 def unapplied_arguments(kwargs: dict) -> list[str]:
-    """The attention arguments of a model call that the KIVI attentions would ignore (attention sinks, position
-    biases, sparse indices, a bidirectional layer): a result computed without them would be silently wrong."""
-    names = [k for k, v in kwargs.items() if v is not None and k not in APPLIED + NEUTRAL and k != "is_causal"]
+    """The attention arguments of a call that the KIVI attentions would ignore, so that a result computed without
+    them would be silently wrong (a bidirectional layer among them)."""
+    names = [k for k in UNAPPLIED if kwargs.get(k) is not None]
     return names + (["is_causal=False"] if kwargs.get("is_causal", True) is False else [])
+
+
+def unknown_arguments(kwargs: dict) -> list[str]:
+    """What a model's own forward hands its attention that is none of the above (checked once, before a model is
+    driven, on a call whose other arguments the checker chose): an argument no KIVI attention knows may change the
+    result."""
+    return unapplied_arguments(kwargs) + [k for k, v in kwargs.items()
+                                          if v is not None and k not in APPLIED + NEUTRAL + UNAPPLIED]

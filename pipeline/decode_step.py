@@ -24,7 +24,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kivi.attention import unapplied_arguments
+from kivi.attention import unknown_arguments
 from kivi.layout import attention_layers, dynamic_rope, model_head_dim, unsupported_layout
 from kivi.slot_attention import stepping
 from kivi.slot_cache import SlotCache
@@ -73,8 +73,8 @@ class _ProbeCall:
             return f"query {self.shapes[0]}, key {key} and value {value} are not [B, H, 1, head_dim] of one head size"
         if q_heads % key[1]:
             return f"{q_heads} query heads do not share {key[1]} KV heads evenly"
-        if unapplied := unapplied_arguments(self.kwargs):
-            return f"its attention takes {unapplied}, which the KIVI attentions do not apply"
+        if unknown := unknown_arguments(self.kwargs):
+            return f"its attention takes {unknown}, which the KIVI attentions do not apply"
         if self.kwargs.get("sliding_window") != layer.window:
             return (f"its attention slides over {self.kwargs.get('sliding_window')} tokens where its config declares "
                     f"{layer.window}")
