@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from tqdm import tqdm
 
 from pipeline.archive import ArchiveWriter
 from pipeline.config import RunConfig
@@ -37,8 +36,9 @@ class RunSummary:
     fallbacks: dict[str, str] = field(default_factory=dict)  # cache -> why it generates with transformers.generate
 
 
-def new_run_id(kind: str) -> str:
-    return f"{kind}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+def new_run_id(label: str) -> str:
+    """``<label>-<UTC start>-<random>``: a run's series first, so ids sort by series, then by time."""
+    return f"{label}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
 
 
 def make_shards(workload: str, requests: list, shard_size: int) -> list[Shard]:
@@ -53,7 +53,7 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
 
     ``in_process``: one worker in this process instead of Ray actors (same worker code, same archive).
     """
-    run_id = run_id or new_run_id(config.kind)
+    run_id = run_id or new_run_id(config.label)
     archive = ArchiveWriter(config.archive, run_id)
     manifest = archive.read_run()
     if manifest is not None:
@@ -62,7 +62,7 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
     started = manifest["started_at"] if manifest else dt.datetime.now(dt.UTC)
     ctx = RunContext(run_id, config, started, _git_sha())
     if manifest is None:
-        archive.write_run(dict(kind=config.kind, model=config.model.spec, git_sha=ctx.git_sha, config_yaml=config_yaml,
+        archive.write_run(dict(kind=config.kind, label=config.label, model=config.model.spec, git_sha=ctx.git_sha, config_yaml=config_yaml,
                                baseline_run_id=config.baseline_run_id, started_at=started, versions=_versions()))
     else:
         archive.update_run_status("running")
@@ -136,6 +136,8 @@ def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary, tokeni
               f"from the archive, {pending}", flush=True)
     else:
         print(f"run {summary.run_id}: {pending}", flush=True)
+    if sweep_jobs and shard_jobs:
+        print("sweeps go first: they run longest, and the other actors take the shards meanwhile", flush=True)
     return shard_jobs, sweep_jobs, skipped
 
 
@@ -145,13 +147,54 @@ def _execute(config: RunConfig, ctx: RunContext, shard_jobs, sweep_jobs, summary
     jobs = [("sweep", job) for job in sweep_jobs] + [("shard", job) for job in shard_jobs]
     if not jobs:
         return
+    counter = _Progress(files=sum(len(todo) for _, todo in shard_jobs), sweeps=len(sweep_jobs))
     finished = _in_process(ctx, jobs, summary) if in_process else _on_ray(config, ctx, jobs, summary)
-    for actor, kind, job in tqdm(finished, total=len(jobs), desc=f"run {ctx.run_id}", unit="job", disable=not progress):
+    for actor, kind, job, result in finished:
         summary.placements[actor]["jobs"] += 1
         if kind == "shard":
             summary.computed += [(job[0].workload, job[0].index, cache) for cache in job[1]]
         else:
             summary.sweeps.append(job[2])
+        line = counter.shard(job[0], result) if kind == "shard" else counter.sweep(job[0], job[2], result)
+        if progress:
+            print(line, flush=True)
+
+
+class _Progress:
+    """One line per finished job, counted against the plan's totals, with the time since the first job was sent."""
+
+    def __init__(self, files: int, sweeps: int) -> None:
+        self.files, self.sweeps, self.done_files, self.done_sweeps = files, sweeps, 0, 0
+        self.began = time.perf_counter()
+
+    def shard(self, shard: Shard, written: dict[str, dict]) -> str:
+        self.done_files += len(written)
+        caches = ", ".join(f"{cache} {w['seconds']:.1f} s" for cache, w in written.items()) or "already written"
+        return f"{self._prefix()} {shard.workload} shard {shard.index} ({_count(len(shard.requests), 'request')}): {caches}"
+
+    def sweep(self, workload: str, cache: str, rows: list[dict]) -> str:
+        self.done_sweeps += 1
+        timed = [r for r in rows if not r["oom"]]
+        best = max(timed, key=lambda r: r["tokens_per_s"], default=None)
+        result = (f"best {best['tokens_per_s']:.1f} tokens/s at batch {best['batch_size']}" if best else "OOM at every batch")
+        return f"{self._prefix()} {workload} sweep {cache}: {result} ({_count(len(rows), 'timing')})"
+
+    def _prefix(self) -> str:
+        counts = [f"{done}/{total} {what}" for done, total, what in ((self.done_files, self.files, "shard × cache files"),
+                                                                     (self.done_sweeps, self.sweeps, "sweeps")) if total]
+        return f"[{', '.join(counts)}; {format_seconds(time.perf_counter() - self.began)}]"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
+def format_seconds(seconds: float) -> str:
+    """"48.2 s", "11 min 17 s" or "2 h 5 min": what a person reads at a glance."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
 
 
 def _started(placement: dict, requested: float, previous: dict) -> dict:
@@ -168,12 +211,12 @@ def _in_process(ctx: RunContext, jobs: list, summary: RunSummary):
     worker = EvalWorker(ctx)
     summary.placements = [_started(worker.placement(), requested, {})]
     for kind, job in jobs:
-        worker.run_shard(*job) if kind == "shard" else worker.run_sweep(*job)
-        yield 0, kind, job
+        yield 0, kind, job, worker.run_shard(*job) if kind == "shard" else worker.run_sweep(*job)
 
 
 def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary):
-    """One actor per GPU (or CPU actors), each loading the model once; yields (actor, kind, job) as jobs finish.
+    """One actor per GPU (or CPU actors), each loading the model once; yields (actor, kind, job, its result) as jobs
+    finish.
 
     A job whose actor died (its process, or its whole node) goes back to the front of the queue for the next free
     actor, on whatever node; Ray restarts the dead actor where resources allow, and it takes jobs again once up.
@@ -237,7 +280,7 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
                 continue
             index, number = running.pop(ref)
             try:
-                ray.get(ref)  # re-raises a job's own error: the run stops, a rerun resumes
+                result = ray.get(ref)  # re-raises a job's own error: the run stops, a rerun resumes
             except ray.exceptions.RayActorError:
                 losses[number] += 1
                 if losses[number] > config.ray.max_retries:
@@ -247,7 +290,7 @@ def _on_ray(config: RunConfig, ctx: RunContext, jobs: list, summary: RunSummary)
                 died(index)
                 continue
             idle.append(index)
-            yield index, *jobs[number]
+            yield index, *jobs[number], result
     finally:
         for actor in actors:
             ray.kill(actor)

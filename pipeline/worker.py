@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from pipeline.archive import ArchiveWriter
 from pipeline.config import RunConfig
@@ -58,6 +59,8 @@ class EvalWorker:
         torch.backends.cuda.enable_cudnn_sdp(False)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         dtype = resolve_dtype(cfg.model.dtype, self.device)
+        # Its bar, forwarded by Ray line by line, would print a dozen lines per actor.
+        hf_logging.disable_progress_bar()
         model, tokenizer = load_model(cfg.model.spec, self.device, dtype, tokenizer=cfg.model.tokenizer)
         self.engine = Engine(model, tokenizer)
         self.workloads: dict[str, Workload] = cfg.build_workloads()
@@ -84,9 +87,9 @@ class EvalWorker:
                     gpu_uuid=str(torch.cuda.get_device_properties(self.device).uuid) if cuda else None,
                     load_s=round(self.load_s, 1))  # model load and workloads, in this worker's constructor
 
-    def run_shard(self, shard: Shard, caches: list[str]) -> dict[str, int]:
+    def run_shard(self, shard: Shard, caches: list[str]) -> dict[str, dict]:
         """Generate, score and write one shard under each named cache not yet in the archive (a shard retried after
-        its actor died keeps what that actor wrote); returns rows written per cache."""
+        its actor died keeps what that actor wrote); returns {cache: {"rows", "seconds"}} of those it wrote."""
         self._maybe_crash(shard)
         workload = self.workloads[shard.workload]
         written = {}
@@ -100,10 +103,7 @@ class EvalWorker:
                 generations = self._generate(list(shard.requests), cache)
                 rows = [self._row(cache, r, g, err, workload) for r, (g, err) in zip(shard.requests, generations)]
             self.archive.write_results(shard.workload, cache, shard.index, rows)
-            written[cache] = len(rows)
-            # Per-shard progress: Ray forwards an actor's stdout to the driver, prefixed with the actor.
-            print(f"{shard.workload} shard {shard.index} {cache}: {len(rows)} requests in {time.perf_counter() - began:.1f} s",
-                  flush=True)
+            written[cache] = dict(rows=len(rows), seconds=time.perf_counter() - began)  # the driver prints progress
         return written
 
     def run_sweep(self, workload: str, requests: list[Request], cache: str) -> list[dict]:

@@ -28,7 +28,7 @@ def test_a_run_stopped_by_its_cache_is_marked_failed_gated_and_reported_as_parti
     config.write_text(yaml.safe_dump(dict(
         kind="smoke", model={"spec": str(head_dim_48_model), "max_context": 1024}, caches=["kivi-2"],
         workloads={"gsm8k": {"n": 2, "num_fewshot": 1, "max_new_tokens": 4}}, data_dir=str(data_dir),
-        archive=str(tmp_path / "archive"), reports=str(tmp_path / "reports"), gate="rules.yaml",
+        archive=str(tmp_path / "archive"), reports=str(tmp_path / "reports"), gate=str(rules),
         generation={"batch_size": 2}, ray={"shard_size": 2})))
 
     assert main(["run", str(config), "--no-ray"]) == RUN_FAILED
