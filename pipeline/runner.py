@@ -137,7 +137,7 @@ def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary, tokeni
     else:
         print(f"run {summary.run_id}: {pending}", flush=True)
     if sweep_jobs and shard_jobs:
-        print("sweeps go first: they run longest, and the other actors take the shards meanwhile", flush=True)
+        print("sweeps are dispatched first, as they run longest; a single actor takes the shards after them", flush=True)
     return shard_jobs, sweep_jobs, skipped
 
 

@@ -148,3 +148,14 @@ def test_each_finished_job_prints_one_line_counted_against_the_plan(tmp_path, mo
 @pytest.mark.parametrize("seconds, shown", [(48.24, "48.2 s"), (677, "11 min 17 s"), (7500, "2 h 5 min")])
 def test_durations_read_at_a_glance(seconds, shown):
     assert runner.format_seconds(seconds) == shown
+
+
+def test_an_actor_loads_its_model_without_a_progress_bar(tiny_model_folder, tmp_path):
+    # Ray forwards an actor's output line by line: a bar would print one line per update.
+    code = ("import datetime as dt\nfrom pipeline.config import RunConfig\nfrom pipeline.worker import EvalWorker, RunContext\n"
+            f"config = RunConfig(model={{'spec': {str(tiny_model_folder(64))!r}}}, workloads={{'gsm8k': {{}}}}, "
+            f"archive={str(tmp_path)!r})\n"
+            "EvalWorker(RunContext('r1', config, dt.datetime.now(dt.UTC), None))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Loading weights" not in done.stderr and "it/s]" not in done.stderr
