@@ -149,7 +149,9 @@ class IntervalRule(GateRule):
         interval = "no interval: one cluster" if low is None else f"{self.confidence:.0%} CI [{low:.{digits}f}, {high:.{digits}f}]"
         p = f", {stat.test} p = {stat.p_value:.2g}" if stat.p_value is not None else ""
         passed = within_limit(self.test, harm, low, high, limit)
-        why = _reason(self.test, passed, harm, low, high, limit, unit, digits)
+        ends = (None, None) if low is None else (f"{low:.{digits}f}", f"{high:.{digits}f}")
+        why = _reason(self.test, passed, harm > limit + _EPS, *ends,
+                      f"the limit of {limit:g} {unit.removesuffix('s') if limit == 1 else unit}")
         detail = f"{what} {harm:.{digits}f} {unit} ({interval}{p}, n = {stat.n}); {why}"
         if stat.mde is None:
             detail += f"; with one cluster (n = {stat.n}) the verdict rests on a single value, whatever the limit"
@@ -160,24 +162,25 @@ class IntervalRule(GateRule):
                              p_value=stat.p_value, mde=stat.mde)
 
 
-def _reason(test: str, passed: bool, harm: float, low: float | None, high: float | None, limit: float, unit: str,
-            digits: int) -> str:
-    """Why ``harm`` (larger is worse) with interval [low, high] passes or fails ``limit`` under ``test``."""
-    bound = f"the limit of {limit:g} {unit.removesuffix('s') if limit == 1 else unit}"
+def _reason(test: str, passed: bool, past: bool, near: str | None, far: str | None, bound: str, *, beyond: str = "past",
+            inside: str = "within", no_interval: str = "one cluster") -> str:
+    """Why a measure passes or fails ``bound`` ("the limit of 3 points") under ``test``, in words: ``past``, whether
+    its point estimate lies beyond the bound; ``near`` and ``far``, its interval's ends on the passing and the failing
+    side (None without an interval); ``beyond`` and ``inside`` say which side is which ("below", "at or above")."""
     if test == "regression":
-        if low is None:
-            return f"{'within' if passed else 'past'} {bound}: without an interval the point estimate decides"
+        if near is None:
+            return f"{inside if passed else beyond} {bound}: without an interval the point estimate decides"
         if not passed:
-            return f"past {bound}: the whole interval lies beyond it, so the harm is shown"
-        if harm > limit + _EPS:
-            return (f"past {bound}, but not significantly: the interval reaches down to {low:.{digits}f}, and a "
-                    "regression test fails only a harm the data show past its limit")
-        return f"within {bound}"
+            return f"{beyond} {bound}: the whole interval lies beyond it, so the harm is shown"
+        if past:
+            return (f"{beyond} {bound}, but not significantly: the interval reaches back to {near}, and a regression "
+                    "test fails only a harm the data show beyond its limit")
+        return f"{inside} {bound}"
     if passed:
-        return f"shown within {bound}: the whole interval lies below it"
-    if low is None:
-        return f"not shown within {bound}: non-inferiority needs an interval, and one cluster gives none"
-    return f"not shown within {bound}: the interval reaches {high:.{digits}f}"
+        return f"shown {inside} {bound}: the whole interval lies {inside} it"
+    if near is None:
+        return f"not shown {inside} {bound}: non-inferiority needs an interval, and {no_interval} gives none"
+    return f"not shown {inside} {bound}: the interval reaches {far}"
 
 
 _DIGITS = {"points": 2, "nats": 4}
@@ -347,13 +350,15 @@ class MinThroughputRatio(PerCacheRule):
             side = cache if fp16 and fp16["max_tokens_per_s"] is not None else FP16
             return self._verdict(cache, None, self.ratio, False, f"missing {self.workload} throughput for {side}")
         ratio, low, high = row["throughput_ratio"], row["ratio_ci_low"], row["ratio_ci_high"]
-        interval = (f"[{VIEW_CONFIDENCE:.0%} CI {low:.2f}, {high:.2f}] over {row['repeats']} timings" if low is not None
-                    else "(one timing per point: no interval)")
+        interval = (f"{VIEW_CONFIDENCE:.0%} CI [{low:.2f}, {high:.2f}] over {row['repeats']} timings" if low is not None
+                    else "no interval: one timing per point")
         # A shortfall below the ratio is the harm: the interval tests of IntervalRule, mirrored.
         passed = within_limit(self.test, -ratio, None if high is None else -high, None if low is None else -low, -self.ratio)
+        ends = (None, None) if low is None else (f"{high:.2f}", f"{low:.2f}")
+        why = _reason(self.test, passed, ratio < self.ratio - _EPS, *ends, f"the floor of {self.ratio:g}×",
+                      beyond="below", inside="at or above", no_interval="one timing per point")
         detail = (f"{row['max_tokens_per_s']:.1f} tokens/s (batch ≤ {row['max_batch']}) vs fp16 "
-                  f"{fp16['max_tokens_per_s']:.1f} (batch ≤ {fp16['max_batch']}): {ratio:.2f}× {interval}; "
-                  f"{self.test}: {'passes' if passed else 'fails'} {self.ratio:g}×")
+                  f"{fp16['max_tokens_per_s']:.1f} (batch ≤ {fp16['max_batch']}): {ratio:.2f}× ({interval}); {why}")
         return self._verdict(cache, ratio, self.ratio, passed, detail, n=row["repeats"], ci_low=low, ci_high=high)
 
 

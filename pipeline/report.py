@@ -111,8 +111,8 @@ def actor_line(placement: dict[str, Any]) -> str:
 def _summary(store: Store, run_id: str) -> str:
     """One paragraph to act on: what each KIVI cache loses against fp16 beyond its interval, what the gates said,
     how large a loss these sample sizes can see, and whether the throughput means anything on this device."""
-    deltas = store.records("SELECT workload, cache, delta_points, ci_low, ci_high, mde_points FROM kivi_delta_stats "
-                           "WHERE run_id = $1 ORDER BY cache, workload", [run_id])
+    deltas = store.records("SELECT workload, cache, delta_points, ci_low, ci_high, mde_points, n_pairs "
+                           "FROM kivi_delta_stats WHERE run_id = $1 ORDER BY cache, workload", [run_id])
     if not deltas:
         return ""
     sentences = [_cache_sentence(cache, [d for d in deltas if d["cache"] == cache])
@@ -134,14 +134,21 @@ def _named(cache: str) -> str:
 
 
 def _cache_sentence(cache: str, rows: list[dict[str, Any]]) -> str:
-    lost = [r for r in rows if r["ci_high"] is not None and r["ci_high"] < 0]
-    gained = [r for r in rows if r["ci_low"] is not None and r["ci_low"] > 0]
+    """What a cache does against fp16 per workload: a loss or gain its interval shows, a move it does not (not
+    significant at that n), a match (inside the interval and within a point), or a single value without interval."""
     alone = [r for r in rows if r["ci_low"] is None]
-    within = [r for r in rows if r not in lost + gained + alone]
+    shown = [r for r in rows if r not in alone and (r["ci_high"] < 0 or r["ci_low"] > 0)]
+    unsure = [r for r in rows if r not in alone + shown and abs(r["delta_points"]) >= _MATCH_POINTS]
+    matched = [r for r in rows if r not in alone + shown + unsure]
     parts = [f"{verb} " + _and([f"{abs(r['delta_points']):.2f} points on {r['workload']} {_interval(r)}" for r in group])
-             for verb, group in (("loses", lost), ("gains", gained)) if group]
-    if within:
-        parts.append(f"matches fp16 within its 95% interval on {_and([r['workload'] for r in within])}")
+             for verb, group in (("loses", [r for r in shown if r["delta_points"] < 0]),
+                                 ("gains", [r for r in shown if r["delta_points"] > 0])) if group]
+    parts += [f"{verb} " + _and([f"{abs(r['delta_points']):.2f} points on {r['workload']}, not significantly at "
+                                 f"n = {r['n_pairs']} {_interval(r)}" for r in group])
+              for verb, group in (("drops", [r for r in unsure if r["delta_points"] < 0]),
+                                  ("rises", [r for r in unsure if r["delta_points"] > 0])) if group]
+    if matched:
+        parts.append(f"matches fp16 (within a point, inside its 95% interval) on {_and([r['workload'] for r in matched])}")
     if alone:
         parts.append("moves " + _and([f"{r['delta_points']:+.2f} points on {r['workload']}" for r in alone])
                      + " (one cluster: no interval, so not a finding)")
@@ -176,9 +183,11 @@ def _throughput_sentences(store: Store, run_id: str) -> list[str]:
 
 
 # Why a CPU's throughput says nothing of KIVI's speed, for the summary and the throughput section.
-_CPU_THROUGHPUT = ("there KIVI runs on the PyTorch reference path, which dequantizes its cache at every step, so it is "
-                   "slower than fp16; the speed-up it is for needs the CUDA kernels (BENCHMARKS.md).")
+_CPU_THROUGHPUT = ("there KIVI runs on the PyTorch reference path, which dequantizes its cache at every step (on an idle "
+                   "CPU it is slower than fp16), and the timings share the cores with whatever else runs: these ratios "
+                   "say nothing of KIVI's speed on a GPU, where its CUDA kernels run (BENCHMARKS.md).")
 _LISTED = 3  # failing verdicts the summary names
+_MATCH_POINTS = 1.0  # a delta inside its interval and smaller than this reads as a match
 
 
 def _and(items: Sequence[str]) -> str:

@@ -90,8 +90,8 @@ def test_the_nightly_gate_passes_and_fails_exactly_as_hand_computed(store: Store
     assert (gsm8k.observed, gsm8k.ci_low, gsm8k.ci_high, gsm8k.p_value, gsm8k.n) == (pytest.approx(5.0), 0.0, 15.0, 1.0, 20)
     assert gsm8k.detail == (
         "gsm8k: fp16 70.00, KIVI 65.00, drop 5.00 points (95% CI [0.00, 15.00], mcnemar p = 1, n = 20); past the limit "
-        "of 3 points, but not significantly: the interval reaches down to 0.00, and a regression test fails only a harm "
-        "the data show past its limit; n = 20 is too small for a 3-point limit: the smallest effect it finds with 80% "
+        "of 3 points, but not significantly: the interval reaches back to 0.00, and a regression test fails only a harm "
+        "the data show beyond its limit; n = 20 is too small for a 3-point limit: the smallest effect it finds with 80% "
         "power is 13.56 points")
     longbench = by_rule[("longbench-avg", K2)]
     assert (longbench.observed, longbench.ci_low, longbench.ci_high) == (pytest.approx(0.75), 0.0, pytest.approx(2.25))
@@ -124,9 +124,9 @@ def test_each_test_judges_the_interval_against_its_limit(store: Store, spec: dic
 
 @pytest.mark.parametrize("spec, passed, says", [
     ({"margin": 20}, True, "drop 5.00 points (95% CI [0.00, 15.00], mcnemar p = 1, n = 20); within the limit of 20 points"),
-    ({"margin": 1}, True, "; past the limit of 1 point, but not significantly: the interval reaches down to 0.00"),
+    ({"margin": 1}, True, "; past the limit of 1 point, but not significantly: the interval reaches back to 0.00"),
     ({"margin": 15, "test": "non_inferiority"}, False, "; not shown within the limit of 15 points: the interval reaches 15.00"),
-    ({"margin": 16, "test": "non_inferiority"}, True, "; shown within the limit of 16 points: the whole interval lies below it"),
+    ({"margin": 16, "test": "non_inferiority"}, True, "; shown within the limit of 16 points: the whole interval lies within it"),
 ])
 def test_each_verdict_says_why_it_passed_or_failed_in_a_sentence(store: Store, spec: dict, passed: bool, says: str) -> None:
     (verdict,) = evaluate(store, "nightly-a", rules({"kind": "max_drop", "workload": "gsm8k", "cache": K2, **spec}))
@@ -146,6 +146,18 @@ def test_a_verdict_on_one_request_says_the_point_estimate_decided_and_names_no_u
                            "n = 1); within the limit of 150 points: without an interval the point estimate decides; with "
                            "one cluster (n = 1) the verdict rests on a single value, whatever the limit")
     assert "past the limit of 50 points: without an interval" in tight.detail and "unknown" not in tight.detail
+
+
+@pytest.mark.parametrize("spec, passed, says", [
+    ({"ratio": 1.75}, True, "560.0 tokens/s (batch ≤ 32) vs fp16 320.0 (batch ≤ 16): 1.75× (no interval: one timing per "
+                            "point); at or above the floor of 1.75×: without an interval the point estimate decides"),
+    ({"ratio": 1.76}, False, "; below the floor of 1.76×: without an interval the point estimate decides"),
+    ({"ratio": 1.0, "test": "non_inferiority"}, False,
+     "; not shown at or above the floor of 1×: non-inferiority needs an interval, and one timing per point gives none"),
+])
+def test_a_throughput_verdict_says_why_in_the_same_words(store: Store, spec: dict, passed: bool, says: str) -> None:
+    (verdict,) = evaluate(store, "nightly-a", rules({"kind": "min_throughput_ratio", "cache": K4, **spec}))
+    assert verdict.passed is passed and says in verdict.detail
 
 
 def test_a_rule_may_name_its_cache_by_preset_as_configs_do(store: Store) -> None:
