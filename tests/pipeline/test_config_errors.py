@@ -11,6 +11,7 @@ from s3_server import free_ports
 
 from pipeline.config import ConfigError, load_config
 from pipeline.gate import check_config_rules, load_gate
+from pipeline.models import load_model_config
 from pipeline.workloads import data as data_module
 from pipeline.workloads import resolve_data_dir
 
@@ -298,3 +299,10 @@ def test_an_s3_archive_in_reach_validates(write_config, data_dir, s3_server):
     path = write_config(model=MODEL, data_dir=str(data_dir), workloads={"gsm8k": {"n": 2}},
                         archive=f"s3://{s3_server.bucket}/not-yet-written")
     assert load_config(path).archive == f"s3://{s3_server.bucket}/not-yet-written"
+
+
+def test_a_random_shape_named_by_model_specs_builds_the_published_config():
+    config = load_model_config("random:llama-3-8b")
+    assert (config.model_type, config.num_key_value_heads, config.vocab_size) == ("llama", 8, 128256)
+    assert config.rope_parameters["rope_theta"] == 500000.0
+    assert load_model_config("random:mistral-7b").sliding_window is None
