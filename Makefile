@@ -1,8 +1,8 @@
 # Two commands on a fresh machine: `make run` (set up, then the default job on CPU) and `make test`.
+# Data sets come from ../shared/data beside the checkout where it exists (KIVI_DATA_DIR or a config's data_dir
+# point elsewhere; see README "Where the data comes from"), else from the Hugging Face Hub.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Offline copies of the data sets (see ../shared/data/README.md); unset it to read from the Hugging Face Hub.
-export KIVI_DATA_DIR ?= $(abspath ../shared/data)
 
 .PHONY: setup run test
 
@@ -16,8 +16,11 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# kivi-eval lives in the virtualenv: say how to reach it, whatever the gate's exit code (which make keeps).
 run: setup
-	$(VENV)/bin/kivi-eval run configs/smoke.yaml
+	$(VENV)/bin/kivi-eval run configs/smoke.yaml; status=$$?; \
+	echo "next: source $(VENV)/bin/activate (puts kivi-eval on PATH), then kivi-eval runs (README: After make run)"; \
+	exit $$status
 
 test: setup
 	$(PY) -m pytest -ra

@@ -153,6 +153,32 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def preset_caches() -> dict[str, str]:
+    """Each preset's cache name, as results' `cache` column spells it: {"kivi-2": "kivi-k2v2-g32-r128", …}."""
+    return {preset: KiviConfig.from_name(preset).name for preset in PRESETS}
+
+
+def cache_name(name: str) -> str:
+    """The archive's name of a cache named by its preset (``kivi-2`` → ``kivi-k2v2-g32-r128``) or by itself."""
+    return preset_caches().get(name, name)
+
+
+def slot_unsupported(config: KiviConfig) -> str | None:
+    """Why kivi.slot_cache.SlotCache, the static decode engine's cache, cannot hold this configuration (None when it
+    can); decided from the configuration alone, so that a run config is checked without torch."""
+    for i, layer in [(None, config)] + [(i, config.for_layer(i)) for i in config.layer_overrides]:
+        where = "" if i is None else f" (layer_overrides[{i}])"
+        if layer.sink_tokens:
+            return f"sink_tokens={layer.sink_tokens}: the static decode engine keeps no sink buffers; set sink_tokens: 0{where}"
+        if 16 in (layer.k_bits, layer.v_bits):
+            return f"k_bits/v_bits=16: the static decode engine quantizes both streams; use 2, 4 or 8{where}"
+        if (layer.key_axis, layer.value_axis) != ("channel", "token"):
+            return f"key_axis/value_axis must be KIVI's 'channel'/'token' for the static decode engine{where}"
+        if layer.group_size & (layer.group_size - 1):
+            return f"group_size={layer.group_size}: the static decode engine's kernels need a power of two{where}"
+    return None
+
+
 def _validate(cfg: KiviConfig) -> None:
     prefix = "KiviConfig"
     for name in ("k_bits", "v_bits"):

@@ -28,25 +28,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kivi import backend
 from kivi.cache import check_fits_model
-from kivi.config import KiviConfig, KiviConfigError
+from kivi.config import KiviConfig, KiviConfigError, slot_unsupported
 from kivi.layout import attention_layers, model_head_dim, unsupported_layout
 from kivi.quant import GROUP_DIM, Quantized, StreamBuffers, allocate, codes_per_word, dequantize, quantize
 from kivi.stream import round_up
-
-
-def slot_unsupported(config: KiviConfig) -> str | None:
-    """Why SlotCache cannot hold this KIVI configuration (None when it can)."""
-    for i, layer in [(None, config)] + [(i, config.for_layer(i)) for i in config.layer_overrides]:
-        where = "" if i is None else f" (layer_overrides[{i}])"
-        if layer.sink_tokens:
-            return f"sink_tokens={layer.sink_tokens}: the static decode engine keeps no sink buffers; set sink_tokens: 0{where}"
-        if 16 in (layer.k_bits, layer.v_bits):
-            return f"k_bits/v_bits=16: the static decode engine quantizes both streams; use 2, 4 or 8{where}"
-        if (layer.key_axis, layer.value_axis) != ("channel", "token"):
-            return f"key_axis/value_axis must be KIVI's 'channel'/'token' for the static decode engine{where}"
-        if layer.group_size & (layer.group_size - 1):
-            return f"group_size={layer.group_size}: the static decode engine's kernels need a power of two{where}"
-    return None
 
 
 class StepState:

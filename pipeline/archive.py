@@ -127,7 +127,9 @@ PERF = TableSpec(
 RUNS = TableSpec(
     name="runs",
     schema=pa.schema([
-        ("run_id", pa.string()), ("kind", pa.string()), ("model", pa.string()), ("git_sha", pa.string()),
+        ("run_id", pa.string()), ("kind", pa.string()),
+        ("label", pa.string()),  # the run's series (config `label`, default its kind); null in manifests from before
+        ("model", pa.string()), ("git_sha", pa.string()),
         ("config_yaml", pa.string()), ("baseline_run_id", pa.string()), ("status", pa.string()),
         ("started_at", _TS), ("finished_at", _TS),
         ("versions", pa.string()),  # JSON: torch, transformers, triton, kernel hash

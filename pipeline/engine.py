@@ -14,7 +14,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from kivi import KiviCache, KiviConfig, enable_kivi
 from kivi.cache import model_head_dim
 from kivi.fidelity import chunked_logprobs, compare
-from kivi.slot_cache import slot_unsupported
+from kivi.config import slot_unsupported
 from pipeline.decode_engine import DecodeEngine, DecodeRun, Sequence
 from pipeline.decode_step import unsupported
 from pipeline.names import FP16

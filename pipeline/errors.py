@@ -36,10 +36,34 @@ def read_yaml(path: Path, what: str, error: type[InputError]) -> Any:
         raise error(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
 
 
+class FieldProblems(ValueError):
+    """Several problems inside one field, each at its own place below it (``("gsm8", "unknown workload …")``): a
+    validator raises it so that pydantic reports them beside every other field's errors, each where it is."""
+
+    def __init__(self, problems: Iterable[tuple[str, str]]) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(f"{where}: {message}" for where, message in self.problems))
+
+
+def validation_problems(error: ValidationError,
+                        describe: Callable[[Mapping[str, Any]], tuple[str, str]]) -> list[tuple[str, str]]:
+    """(where, message) of each problem of a pydantic error as ``describe`` places and words it; a field's
+    FieldProblems count one each, placed below the field."""
+    out = []
+    for problem in error.errors():
+        where, message = describe(problem)
+        inner = problem.get("ctx", {}).get("error")
+        if isinstance(inner, FieldProblems):
+            out += [(".".join(p for p in (where, below) if p), text) for below, text in inner.problems]
+        else:
+            out.append((where, message))
+    return out
+
+
 def validation_text(error: ValidationError, describe: Callable[[Mapping[str, Any]], tuple[str, str]]) -> str:
-    """A pydantic error in one line: each of its problems as ``describe`` places and words it, "<where>: <message>"
-    (the message alone where there is no place), joined by "; "."""
-    return "; ".join(f"{where}: {message}" if where else message for where, message in map(describe, error.errors()))
+    """A pydantic error in one line: its problems (``validation_problems``) as "<where>: <message>" (the message
+    alone where there is no place), joined by "; "."""
+    return "; ".join(f"{where}: {message}" if where else message for where, message in validation_problems(error, describe))
 
 
 def validation_problem(error: Mapping[str, Any], model: Any) -> tuple[str, str]:

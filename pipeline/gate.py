@@ -18,16 +18,17 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from scipy.stats import binomtest
 
-from kivi.config import did_you_mean
+from kivi.config import cache_name, did_you_mean
 from pipeline.archive import ArchiveWriter
 from pipeline.errors import ConfigError, InputError, error_message, read_yaml, unknown_field, validation_text
 from pipeline.names import FP16
 from pipeline.stats import TASK_AVERAGED_WORKLOADS, VIEW_CONFIDENCE, PairedDelta, paired_delta
 
-if TYPE_CHECKING:  # types only: the config imports torch, which the archive commands (gate, report) never load
+if TYPE_CHECKING:  # types only: the archive commands (gate, report) load neither the config nor the workloads
     from pipeline.config import RunConfig
     from pipeline.store import Store
     from pipeline.workloads import Workload
@@ -92,6 +93,12 @@ class GateRule(BaseModel):
     # The workload kinds (pipeline.workloads.base.Workload.kind) whose results the rule reads.
     reads: ClassVar[tuple[str, ...]] = ("accuracy", "teacher_forced")
 
+    @field_validator("cache", check_fields=False)  # each kind declares its `cache`
+    @classmethod
+    def _archive_name(cls, cache: str | None) -> str | None:
+        """A preset as configs name it (kivi-2) stands for its archive name (kivi-k2v2-g32-r128)."""
+        return None if cache is None else cache_name(cache)
+
     def problems(self, workloads: Mapping[str, Workload], caches: Sequence[str]) -> list[str]:
         """What this rule names that the config does not run, each with the fix; empty when it can be checked."""
         out = []
@@ -137,23 +144,45 @@ class IntervalRule(GateRule):
 
     def _judge(self, cache: str, what: str, harm: float, low: float | None, high: float | None, stat: PairedDelta,
                limit: float, unit: str) -> Verdict:
-        """``harm`` and its interval [low, high], larger is worse; ``stat`` gives n, p and the detectable effect."""
+        """``harm`` and its interval [low, high], larger is worse; ``stat`` gives n, p and the detectable effect.
+        ``what`` names the harm ("gsm8k: fp16 40.00, KIVI 35.00, drop"). The detail says why the verdict is what
+        it is: a harm past the limit passes a regression test when the data do not show it, and says so."""
         digits = _DIGITS[unit]
-        interval = ("(no interval: one cluster)" if low is None
-                    else f"[{self.confidence:.0%} CI {low:.{digits}f}, {high:.{digits}f}]")
-        p = f", {stat.test} p={stat.p_value:.2g}" if stat.p_value is not None else ""
-        detail = f"{what}: {harm:.{digits}f} {unit} {interval}{p}, n={stat.n}"
+        interval = "no interval: one cluster" if low is None else f"{self.confidence:.0%} CI [{low:.{digits}f}, {high:.{digits}f}]"
+        p = f", {stat.test} p = {stat.p_value:.2g}" if stat.p_value is not None else ""
         passed = within_limit(self.test, harm, low, high, limit)
-        if self.test == "regression":
-            detail += "; " + ("not shown above" if passed else "shown above") + f" {limit:g} {unit}"
-        else:
-            detail += "; " + ("shown below" if passed else "not shown below") + f" {limit:g} {unit}"
-        if stat.mde is None or stat.mde > limit:
-            shown = "an unknown" if stat.mde is None else f"{stat.mde:.{digits}f}"
-            detail += (f"; n too small for a {limit:g}-{unit} limit: at n={stat.n} the smallest effect found with "
-                       f"80% power is {shown} {unit}")
+        ends = (None, None) if low is None else (f"{low:.{digits}f}", f"{high:.{digits}f}")
+        why = _reason(self.test, passed, harm > limit + _EPS, *ends,
+                      f"the limit of {limit:g} {unit.removesuffix('s') if limit == 1 else unit}")
+        detail = f"{what} {harm:.{digits}f} {unit} ({interval}{p}, n = {stat.n}); {why}"
+        if stat.mde is None:
+            detail += f"; with one cluster (n = {stat.n}) the verdict rests on a single value, whatever the limit"
+        elif stat.mde > limit:
+            detail += (f"; n = {stat.n} is too small for a {limit:g}-{unit.removesuffix('s')} limit: the smallest effect "
+                       f"it finds with 80% power is {stat.mde:.{digits}f} {unit}")
         return self._verdict(cache, harm, limit, passed, detail, n=stat.n, ci_low=low, ci_high=high,
                              p_value=stat.p_value, mde=stat.mde)
+
+
+def _reason(test: str, passed: bool, past: bool, near: str | None, far: str | None, bound: str, *, beyond: str = "past",
+            inside: str = "within", no_interval: str = "one cluster") -> str:
+    """Why a measure passes or fails ``bound`` ("the limit of 3 points") under ``test``, in words: ``past``, whether
+    its point estimate lies beyond the bound; ``near`` and ``far``, its interval's ends on the passing and the failing
+    side (None without an interval); ``beyond`` and ``inside`` say which side is which ("below", "at or above")."""
+    if test == "regression":
+        if near is None:
+            return f"{inside if passed else beyond} {bound}: without an interval the point estimate decides"
+        if not passed:
+            return f"{beyond} {bound}: the whole interval lies beyond it, so the harm is shown"
+        if past:
+            return (f"{beyond} {bound}, but not significantly: the interval reaches back to {near}, and a regression "
+                    "test fails only a harm the data show beyond its limit")
+        return f"{inside} {bound}"
+    if passed:
+        return f"shown {inside} {bound}: the whole interval lies {inside} it"
+    if near is None:
+        return f"not shown {inside} {bound}: non-inferiority needs an interval, and {no_interval} gives none"
+    return f"not shown {inside} {bound}: the interval reaches {far}"
 
 
 _DIGITS = {"points": 2, "nats": 4}
@@ -224,7 +253,7 @@ class MaxDrop(PerCacheRule, IntervalRule):
         stat = _score_delta([p for p in pairs if p["cache"] == cache], "fp16_score", "kivi_score", self.workload,
                             self.task, self.confidence)
         drop = 0.0 - stat.delta  # not -x: a zero delta must not print as -0.00
-        what_scores = f"{what} fp16 {100 * row['fp16_score']:.2f} vs {100 * row['kivi_score']:.2f}, drop"
+        what_scores = f"{what}: fp16 {100 * row['fp16_score']:.2f}, KIVI {100 * row['kivi_score']:.2f}, drop"
         return self._judge(cache, what_scores, drop, *_drop_interval(stat), stat, self.margin, "points")
 
 
@@ -254,7 +283,7 @@ class MaxKL(PerCacheRule, IntervalRule):
             return self._verdict(cache, None, self.max_kl, False, f"missing {self.workload} KL for {cache}")
         # The KL is already a paired measure (against fp16 on the same text): its reference is zero.
         stat = paired_delta([0.0] * len(kls), kls, confidence=self.confidence, scale=1.0)
-        return self._judge(cache, f"{self.workload} mean KL", stat.delta, stat.ci_low, stat.ci_high, stat,
+        return self._judge(cache, f"{self.workload}: mean KL", stat.delta, stat.ci_low, stat.ci_high, stat,
                            self.max_kl, "nats")
 
 
@@ -323,13 +352,15 @@ class MinThroughputRatio(PerCacheRule):
             side = cache if fp16 and fp16["max_tokens_per_s"] is not None else FP16
             return self._verdict(cache, None, self.ratio, False, f"missing {self.workload} throughput for {side}")
         ratio, low, high = row["throughput_ratio"], row["ratio_ci_low"], row["ratio_ci_high"]
-        interval = (f"[{VIEW_CONFIDENCE:.0%} CI {low:.2f}, {high:.2f}] over {row['repeats']} timings" if low is not None
-                    else "(one timing per point: no interval)")
+        interval = (f"{VIEW_CONFIDENCE:.0%} CI [{low:.2f}, {high:.2f}] over {row['repeats']} timings" if low is not None
+                    else "no interval: one timing per point")
         # A shortfall below the ratio is the harm: the interval tests of IntervalRule, mirrored.
         passed = within_limit(self.test, -ratio, None if high is None else -high, None if low is None else -low, -self.ratio)
+        ends = (None, None) if low is None else (f"{high:.2f}", f"{low:.2f}")
+        why = _reason(self.test, passed, ratio < self.ratio - _EPS, *ends, f"the floor of {self.ratio:g}×",
+                      beyond="below", inside="at or above", no_interval="one timing per point")
         detail = (f"{row['max_tokens_per_s']:.1f} tokens/s (batch ≤ {row['max_batch']}) vs fp16 "
-                  f"{fp16['max_tokens_per_s']:.1f} (batch ≤ {fp16['max_batch']}): {ratio:.2f}× {interval}; "
-                  f"{self.test}: {'passes' if passed else 'fails'} {self.ratio:g}×")
+                  f"{fp16['max_tokens_per_s']:.1f} (batch ≤ {fp16['max_batch']}): {ratio:.2f}× ({interval}); {why}")
         return self._verdict(cache, ratio, self.ratio, passed, detail, n=row["repeats"], ci_low=low, ci_high=high)
 
 
@@ -573,6 +604,13 @@ def evaluate(
     """Verdicts of every rule for ``run_id``; canary rules compare with ``baseline_run_id`` or the manifest's."""
     ctx = _Context(store, run_id, baseline_run_id)
     return [v for rule in (rules.rules if isinstance(rules, GateConfig) else rules) for v in rule.check(ctx)]
+
+
+def own_rules(store: Store, run_id: str) -> Path | None:
+    """The rules file the run's config names (its `gate:`), read from the working directory as configs read it."""
+    rows = store.records("SELECT config_yaml FROM runs WHERE run_id = $1", [run_id])
+    config = yaml.safe_load(rows[0]["config_yaml"] or "") if rows else None
+    return Path(config["gate"]) if isinstance(config, dict) and config.get("gate") else None
 
 
 def write_verdicts(root: str | os.PathLike[str], run_id: str, verdicts: Sequence[Verdict],

@@ -1,5 +1,5 @@
-"""Markdown report of one run with PNG plots: scores and deltas, NIAH heatmaps, throughput, generations, verdicts,
-history.
+"""Markdown report of one run with PNG plots: a summary, scores and deltas, NIAH heatmaps, throughput, generations,
+verdicts, history.
 
 Scores are shown in points (score × 100) and deltas as signed points, the units of pipeline.store; every
 delta carries its paired 95% interval and p-value from the store's *_delta_stats views.
@@ -21,6 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from kivi.config import preset_caches
 from pipeline.history import delta_history, gated_metrics
 from pipeline.names import FP16
 from pipeline.store import Store, format_table
@@ -34,6 +35,7 @@ def write_report(store: Store, run_id: str, out_dir: str | os.PathLike[str]) -> 
     out.mkdir(parents=True, exist_ok=True)
     sections = [
         _header(store, run_id),
+        _summary(store, run_id),
         _scores(store, run_id, out),
         _niah(store, run_id, out),
         _throughput(store, run_id, out),
@@ -68,6 +70,10 @@ def _p(row: dict[str, Any]) -> str:
     return "–" if row["p_value"] is None else f"{row['p_value']:.2g}"
 
 
+def _test(row: dict[str, Any]) -> str:
+    return "–" if row["p_value"] is None else row["test"]  # one cluster: no bootstrap was drawn
+
+
 def _column(rows: list[dict[str, Any] | None], key: str) -> np.ndarray:
     """``key`` of each row as floats, NaN where the row or its value is missing (a cache without that task, one cluster)."""
     return np.array([np.nan if r is None or r[key] is None else r[key] for r in rows], dtype=float)
@@ -81,11 +87,12 @@ def _manifest(store: Store, run_id: str) -> dict[str, Any] | None:
 def _header(store: Store, run_id: str) -> str:
     run = _manifest(store, run_id) or {}
     model = run.get("model") or store.query("SELECT any_value(model) FROM results WHERE run_id = $1", [run_id])[1][0][0]
-    fields = [("kind", run.get("kind")), ("status", run.get("status") or "no manifest row"), ("model", model),
+    fields = [("kind", run.get("kind")), ("label", run.get("label") or run.get("kind")),
+              ("status", run.get("status") or "no manifest row"), ("model", model),
               ("git sha", run.get("git_sha")), ("started", run.get("started_at")), ("finished", run.get("finished_at")),
               ("baseline run", run.get("baseline_run_id"))]
     fields += sorted(json.loads(run.get("versions") or "{}").items())
-    fields += [(f"actor {i}", _actor(p)) for i, p in enumerate(json.loads(run.get("placements") or "[]"))]
+    fields += [(f"actor {i}", actor_line(p)) for i, p in enumerate(json.loads(run.get("placements") or "[]"))]
     shown = [(k, v.isoformat(sep=" ", timespec="seconds") if isinstance(v, dt.datetime) else v) for k, v in fields]
     partial = ""
     if run.get("status") != "complete":  # what follows covers only what the run wrote before it stopped
@@ -94,11 +101,98 @@ def _header(store: Store, run_id: str) -> str:
     return f"# KIVI evaluation: `{run_id}`\n\n{partial}" + _table(["field", "value"], shown)
 
 
-def _actor(placement: dict[str, Any]) -> str:
+def actor_line(placement: dict[str, Any]) -> str:
+    """Where an actor ran, the jobs it finished and its start-up seconds, in one line."""
     gpu = f" GPU {','.join(placement['ray_gpu_ids'])}" if placement["ray_gpu_ids"] else ""
     uuid = f" ({placement['gpu_uuid'][:8]}…)" if placement["gpu_uuid"] else ""
     ready = f", ready after {placement['ready_s']} s (constructor {placement['load_s']} s)" if "ready_s" in placement else ""
     return f"{placement['host']} pid {placement['pid']} {placement['device']}{gpu}{uuid}: {placement['jobs']} jobs{ready}"
+
+
+def _summary(store: Store, run_id: str) -> str:
+    """One paragraph to act on: what each KIVI cache loses against fp16 beyond its interval, what the gates said,
+    how large a loss these sample sizes can see, and whether the throughput means anything on this device."""
+    deltas = store.records("SELECT workload, cache, delta_points, ci_low, ci_high, mde_points, n_pairs "
+                           "FROM kivi_delta_stats WHERE run_id = $1 ORDER BY cache, workload", [run_id])
+    if not deltas:
+        return ""
+    sentences = [_cache_sentence(cache, [d for d in deltas if d["cache"] == cache])
+                 for cache in dict.fromkeys(d["cache"] for d in deltas)]
+    sentences += _gate_sentences(store, run_id)
+    # A detectable effect of 0 means no pair differed: it bounds nothing.
+    if widest := max((d for d in deltas if d["mde_points"]), key=lambda d: d["mde_points"], default=None):
+        sentences.append(f"At these sample sizes the smallest loss found with 80% power is up to "
+                         f"{widest['mde_points']:.1f} points ({widest['workload']} on {widest['cache']}): a match rules "
+                         "out only losses that large.")
+    sentences += _throughput_sentences(store, run_id)
+    return "## Summary\n\n" + " ".join(sentences)
+
+
+def _named(cache: str) -> str:
+    """A cache as configs name it (its preset) beside its archive name."""
+    preset = {name: p for p, name in preset_caches().items()}.get(cache)
+    return f"**{preset}** (`{cache}`)" if preset else f"**{cache}**"
+
+
+def _cache_sentence(cache: str, rows: list[dict[str, Any]]) -> str:
+    """What a cache does against fp16 per workload: a loss or gain its interval shows, a move it does not (not
+    significant at that n), a match (inside the interval and within a point), or a single value without interval."""
+    alone = [r for r in rows if r["ci_low"] is None]
+    shown = [r for r in rows if r not in alone and (r["ci_high"] < 0 or r["ci_low"] > 0)]
+    unsure = [r for r in rows if r not in alone + shown and abs(r["delta_points"]) >= _MATCH_POINTS]
+    matched = [r for r in rows if r not in alone + shown + unsure]
+    parts = [f"{verb} " + _and([f"{abs(r['delta_points']):.2f} points on {r['workload']} {_interval(r)}" for r in group])
+             for verb, group in (("loses", [r for r in shown if r["delta_points"] < 0]),
+                                 ("gains", [r for r in shown if r["delta_points"] > 0])) if group]
+    parts += [f"{verb} " + _and([f"{abs(r['delta_points']):.2f} points on {r['workload']}, not significantly at "
+                                 f"n = {r['n_pairs']} {_interval(r)}" for r in group])
+              for verb, group in (("drops", [r for r in unsure if r["delta_points"] < 0]),
+                                  ("rises", [r for r in unsure if r["delta_points"] > 0])) if group]
+    if matched:
+        parts.append(f"matches fp16 (within a point, inside its 95% interval) on {_and([r['workload'] for r in matched])}")
+    if alone:
+        parts.append("moves " + _and([f"{r['delta_points']:+.2f} points on {r['workload']}" for r in alone])
+                     + " (one cluster: no interval, so not a finding)")
+    return f"{_named(cache)} {'; it '.join(parts)}."
+
+
+def _gate_sentences(store: Store, run_id: str) -> list[str]:
+    rows = store.records("SELECT rules, rule, cache, passed FROM verdicts WHERE run_id = $1 "
+                         "ORDER BY rules NULLS LAST, rule, cache", [run_id])
+    if not rows:
+        return ["The run was not gated."]
+    out = []
+    for rules, group in itertools.groupby(rows, key=lambda r: r["rules"]):
+        group = list(group)
+        failed = [r["rule"] + (f" on {r['cache']}" if r["cache"] else "") for r in group if not r["passed"]]
+        name = f"Gate {rules}" if rules else "The gate"
+        out.append(f"{name} failed {len(failed)} of {len(group)} verdicts ({_and(failed[:_LISTED])}{', …' * (len(failed) > _LISTED)})."
+                   if failed else f"{name} passed {f'all {len(group)} verdicts' if len(group) > 1 else 'its verdict'}.")
+    return out
+
+
+def _throughput_sentences(store: Store, run_id: str) -> list[str]:
+    rows = store.records("SELECT cache, device, throughput_ratio, batch_ratio FROM throughput "
+                         f"WHERE run_id = $1 AND cache <> '{FP16}' AND throughput_ratio IS NOT NULL ORDER BY cache", [run_id])
+    if not rows:
+        return []
+    ratios = _and([f"{_named(r['cache'])} {r['throughput_ratio']:.2f}×" for r in rows])
+    if any(r["device"] == "cpu" for r in rows):
+        return [f"Throughput ({ratios} fp16's tokens/s) was measured on a CPU: {_CPU_THROUGHPUT}"]
+    return [f"Throughput: {ratios} fp16's best tokens/s, at " + _and([f"{r['batch_ratio']:.2f}×" for r in rows])
+            + " its largest batch."]
+
+
+# Why a CPU's throughput says nothing of KIVI's speed, for the summary and the throughput section.
+_CPU_THROUGHPUT = ("there KIVI runs on the PyTorch reference path, which dequantizes its cache at every step (on an idle "
+                   "CPU it is slower than fp16), and the timings share the cores with whatever else runs: these ratios "
+                   "say nothing of KIVI's speed on a GPU, where its CUDA kernels run (BENCHMARKS.md).")
+_LISTED = 3  # failing verdicts the summary names
+_MATCH_POINTS = 1.0  # a delta inside its interval and smaller than this reads as a match
+
+
+def _and(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 _STATS = "s.ci_low, s.ci_high, s.p_value, s.test"
@@ -113,7 +207,7 @@ def _scores(store: Store, run_id: str, out: Path) -> str:
     text = ("## Scores: fp16 vs KIVI (points; Δ = KIVI − fp16, paired 95% interval and p-value)\n\n" + _table(
         ["workload", "cache", "fp16", "KIVI", "Δ points", "95% CI", "p", "test", "n pairs", "n fp16", "n cache"],
         [(r["workload"], r["cache"], _pts(r["fp16_score"]), _pts(r["kivi_score"]), _signed(r["delta_points"]),
-          _interval(r), _p(r), r["test"], r["n_pairs"], r["n_fp16"], r["n_cache"]) for r in rows]))
+          _interval(r), _p(r), _test(r), r["n_pairs"], r["n_fp16"], r["n_cache"]) for r in rows]))
     tasks = store.records(
         f"""SELECT d.*, t.metric, {_STATS} FROM kivi_task_deltas d
             JOIN task_scores t USING (run_id, workload, task, cache)
@@ -212,16 +306,27 @@ def _throughput(store: Store, run_id: str, out: Path) -> str:
     if not summary:
         return ""
     points = store.records("SELECT * FROM perf WHERE run_id = $1 ORDER BY cache, batch_size", [run_id])
-    _sweep_plot(points, out / "throughput.png")
-    return "## Throughput sweep\n\n" + _table(
+    memory = _sweep_plot(points, out / "throughput.png")
+    table = _table(
         ["workload", "cache", "max batch", "first OOM batch", "max tokens/s", "× fp16 tokens/s", "× fp16 batch",
-         "KV compression", "device"],
+         "KV bytes / fp16", "device"],
         [(r["workload"], r["cache"], r["max_batch"], r["first_oom_batch"], r["max_tokens_per_s"], r["throughput_ratio"],
-          r["batch_ratio"], r["kv_compression"], r["device"]) for r in summary]
-    ) + "\n\n![Tokens/s and peak memory vs batch size; × marks OOM](throughput.png)"
+          r["batch_ratio"], r["kv_compression"] and 1 / r["kv_compression"], r["device"]) for r in summary])
+    capacity = max((p["prompt_len"] + p["gen_len"] for p in points if p["prompt_len"] and p["gen_len"]), default=None)
+    notes = [("KV bytes / fp16: the sweep's cache (codes, scales and zeros of every position, plus the full-precision "
+              "residual of the newest R tokens) over a 16-bit cache of the same capacity"
+              + (f", up to {capacity} tokens per sequence here" if capacity else "")
+              + ". The residual weighs most in short sequences; long ones approach the codes' own share (2-bit codes "
+              "with a 16-bit scale and zero per group of 32 take 0.19 of 16 bits).")]
+    if any(r["device"] == "cpu" for r in summary):
+        notes.append(f"**Measured on a CPU**: {_CPU_THROUGHPUT}")
+    caption = "Tokens/s and peak memory vs batch size" if memory else "Tokens/s vs batch size (peak memory is measured on GPUs only)"
+    return ("## Throughput sweep\n\n" + table + "\n\n" + "\n\n".join(notes)
+            + f"\n\n![{caption}; × marks OOM](throughput.png)")
 
 
-def _sweep_plot(points: list[dict[str, Any]], path: Path) -> None:
+def _sweep_plot(points: list[dict[str, Any]], path: Path) -> bool:
+    """Draw tokens/s, and peak memory where it was measured, against the batch size; whether memory is drawn."""
     # Peak memory is measured on GPUs only (CPU runs leave it null): no empty panel for it.
     panels = [("tokens_per_s", 1, "tokens/s")]
     if any(p["peak_mem_bytes"] for p in points):
@@ -244,6 +349,7 @@ def _sweep_plot(points: list[dict[str, Any]], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="small")
     _save(fig, path)
+    return len(panels) > 1
 
 
 def _generations(store: Store, run_id: str, out: Path) -> str:
@@ -307,17 +413,19 @@ def _verdicts(store: Store, run_id: str) -> str:
 
 def _history(store: Store, run_id: str, out: Path) -> str:
     """Each gated delta of the run (every delta when none is gated) over this and earlier runs of the same model
-    and kind: an interval that drifts down over nights shows before one night fails its rule."""
+    and label (the run's series, by default its kind): an interval that drifts down over nights shows before one
+    night fails its rule."""
     current = store.records("SELECT DISTINCT model, workload, cache FROM kivi_deltas WHERE run_id = $1 ORDER BY ALL", [run_id])
     if not current:
         return ""
-    model, kind = current[0]["model"], (_manifest(store, run_id) or {}).get("kind")
+    run = _manifest(store, run_id) or {}
+    model, label = current[0]["model"], run.get("label") or run.get("kind")
     available = [(r["workload"], r["cache"]) for r in current]
     gated = [m for m in available if m in {(w, c) for _, w, c in gated_metrics(store, [run_id])}]
     metrics = gated or available
     by_id, series = {}, {}
     for workload in dict.fromkeys(w for w, _ in metrics):
-        rows = delta_history(store, model, workload, kind=kind)
+        rows = delta_history(store, model, workload, label=label)
         # Up to this run: a report of an older run shows the trend as it stood then.
         rows = rows[:max(i for i, r in enumerate(rows) if r["run_id"] == run_id) + 1]
         by_id.update({r["run_id"]: r for r in rows})
@@ -325,9 +433,9 @@ def _history(store: Store, run_id: str, out: Path) -> str:
     # Merged over workloads in delta_history's order: runs without a manifest row first, then by start.
     runs = sorted(by_id.values(), key=lambda r: (r["started_at"] is not None, r["started_at"] or 0, r["run_id"]))
     order = {r["run_id"]: i for i, r in enumerate(runs)}
-    title = f"## History: {model}, {f'{kind} runs' if kind else 'runs of every kind'}"
+    title = f"## History: {model}, {f'{label} runs' if label else 'runs of every label'}"
     if len(runs) < 2:
-        return f"{title}\n\nNo earlier run of {model}{f' of kind {kind}' if kind else ''} in the archive: no history yet."
+        return f"{title}\n\nNo earlier run of {model}{f' labelled {label}' if label else ''} in the archive: no history yet."
     trends = {m: _trend([order[r["run_id"]] for r in rows], [r["delta_points"] for r in rows]) for m, rows in series.items()}
     _history_plot(series, trends, runs, order, run_id, out / "history.png")
     text = _table(["workload", "cache", "runs", "Δ this run", "95% CI", "trend (points/run)"],

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from tqdm import tqdm
 
 from pipeline.archive import ArchiveWriter
 from pipeline.config import RaySection, RunConfig
@@ -43,8 +42,9 @@ class RunSummary:
     fallbacks: dict[str, str] = field(default_factory=dict)  # cache -> why it generates with transformers.generate
 
 
-def new_run_id(kind: str) -> str:
-    return f"{kind}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+def new_run_id(label: str) -> str:
+    """``<label>-<UTC start>-<random>``: a run's series first, so ids sort by series, then by time."""
+    return f"{label}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
 
 
 def make_shards(workload: str, requests: list, shard_size: int) -> list[Shard]:
@@ -59,7 +59,7 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
 
     ``in_process``: one worker in this process instead of Ray actors (same worker code, same archive).
     """
-    run_id = run_id or new_run_id(config.kind)
+    run_id = run_id or new_run_id(config.label)
     archive = ArchiveWriter(config.archive, run_id)
     manifest = archive.read_run()
     if manifest is not None:
@@ -69,7 +69,7 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.spec)  # a bad spec fails before the first write
     ctx = run_context(run_id, config, manifest)
     summary, skipped = RunSummary(run_id), None
-    row = manifest_row(ctx, config.kind, config_yaml, baseline_run_id=config.baseline_run_id)
+    row = manifest_row(ctx, config.kind, config_yaml, label=config.label, baseline_run_id=config.baseline_run_id)
     with recorded(archive, manifest, row, lambda: dict(skipped=skipped, placements=summary.placements,
                                                        fallbacks=summary.fallbacks)):
         shard_jobs, sweep_jobs, skipped = _plan(config, archive, summary, tokenizer, fallbacks)
@@ -163,6 +163,8 @@ def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary, tokeni
               f"from the archive, {pending}", flush=True)
     else:
         print(f"run {summary.run_id}: {pending}", flush=True)
+    if sweep_jobs and shard_jobs:
+        print("sweeps are dispatched first, as they run longest; a single actor takes the shards after them", flush=True)
     return shard_jobs, sweep_jobs, skipped
 
 
@@ -172,14 +174,53 @@ def _execute(config: RunConfig, ctx: RunContext, shard_jobs, sweep_jobs, summary
     jobs = [("run_sweep", job) for job in sweep_jobs] + [("run_shard", job) for job in shard_jobs]
     if not jobs:
         return
-    finished = run_jobs(EvalWorker, ctx, config.ray, jobs, summary.placements, in_process)
-    for actor, (method, job), _ in tqdm(finished, total=len(jobs), desc=f"run {ctx.run_id}", unit="job",
-                                        disable=not progress):
+    counter = _Progress(files=sum(len(todo) for _, todo in shard_jobs), sweeps=len(sweep_jobs))
+    for actor, (method, job), result in run_jobs(EvalWorker, ctx, config.ray, jobs, summary.placements, in_process):
         summary.placements[actor]["jobs"] += 1
         if method == "run_shard":
             summary.computed += [(job[0].workload, job[0].index, cache) for cache in job[1]]
         else:
             summary.sweeps.append(job[2])
+        line = counter.shard(job[0], result) if method == "run_shard" else counter.sweep(job[0], job[2], result)
+        if progress:
+            print(line, flush=True)
+
+
+class _Progress:
+    """One line per finished job, counted against the plan's totals, with the time since the first job was sent."""
+
+    def __init__(self, files: int, sweeps: int) -> None:
+        self.files, self.sweeps, self.done_files, self.done_sweeps = files, sweeps, 0, 0
+        self.began = time.perf_counter()
+
+    def shard(self, shard: Shard, written: dict[str, dict]) -> str:
+        self.done_files += len(written)
+        caches = ", ".join(f"{cache} {w['seconds']:.1f} s" for cache, w in written.items()) or "already written"
+        return f"{self._prefix()} {shard.workload} shard {shard.index} ({_count(len(shard.requests), 'request')}): {caches}"
+
+    def sweep(self, workload: str, cache: str, rows: list[dict]) -> str:
+        self.done_sweeps += 1
+        timed = [r for r in rows if not r["oom"]]
+        best = max(timed, key=lambda r: r["tokens_per_s"], default=None)
+        result = (f"best {best['tokens_per_s']:.1f} tokens/s at batch {best['batch_size']}" if best else "OOM at every batch")
+        return f"{self._prefix()} {workload} sweep {cache}: {result} ({_count(len(rows), 'timing')})"
+
+    def _prefix(self) -> str:
+        counts = [f"{done}/{total} {what}" for done, total, what in ((self.done_files, self.files, "shard × cache files"),
+                                                                     (self.done_sweeps, self.sweeps, "sweeps")) if total]
+        return f"[{', '.join(counts)}; {format_seconds(time.perf_counter() - self.began)}]"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
+def format_seconds(seconds: float) -> str:
+    """"48.2 s", "11 min 17 s" or "2 h 5 min": what a person reads at a glance."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
 
 
 Job = tuple[str, tuple]  # (the worker method, its arguments)

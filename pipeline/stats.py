@@ -39,6 +39,9 @@ class PairedDelta:
     test: str  # "mcnemar" or "bootstrap"
     mde: float | None  # smallest |delta| found at `confidence` with 80% power at this n
     confidence: float
+    # The two sides' scores (fractions, each weighted as the delta weighs them): delta = scale × their difference.
+    reference_score: float
+    candidate_score: float
 
 
 def paired_delta(reference: Sequence[float], candidate: Sequence[float], clusters: Sequence[str] | None = None,
@@ -59,11 +62,13 @@ def paired_delta(reference: Sequence[float], candidate: Sequence[float], cluster
     # Per cluster: the numerator and denominator of the estimate, so that a resample's estimate is a ratio of sums.
     num, den = (sums / sizes, np.ones_like(sizes)) if mean_of_clusters else (sums, sizes)
     estimate = float(scale * num.sum() / den.sum())
+    scores = {f"{side}_score": float((np.bincount(which, x) / sizes).mean() if mean_of_clusters else x.mean())
+              for side, x in (("reference", ref), ("candidate", cand))}
     binary = bool(np.isin(ref, (0.0, 1.0)).all() and np.isin(cand, (0.0, 1.0)).all())
     p_value = _mcnemar(ref, cand) if binary else None
     if len(num) < 2:
         return PairedDelta(len(ref), len(num), estimate, None, None, p_value, "mcnemar" if binary else "bootstrap",
-                           None, confidence)
+                           None, confidence, **scores)
     distinct, counts = np.unique(np.stack([num, den], axis=1), axis=0, return_counts=True)
     weights = np.random.default_rng(seed).multinomial(len(num), counts / len(num), size=resamples)
     draws = scale * (weights @ distinct[:, 0]) / (weights @ distinct[:, 1])
@@ -73,7 +78,7 @@ def paired_delta(reference: Sequence[float], candidate: Sequence[float], cluster
         p_value = min(1.0, max(2 * min((draws <= 0).mean(), (draws >= 0).mean()), 1 / resamples))
     mde = (norm.ppf(1 - alpha / 2) + norm.ppf(POWER)) * draws.std()
     return PairedDelta(len(ref), len(num), estimate, float(low), float(high), float(p_value),
-                       "mcnemar" if binary else "bootstrap", float(mde), confidence)
+                       "mcnemar" if binary else "bootstrap", float(mde), confidence, **scores)
 
 
 def _mcnemar(reference: np.ndarray, candidate: np.ndarray) -> float:

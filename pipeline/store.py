@@ -6,7 +6,10 @@ An errored request (score null, error set) counts as 0: a cache that crashes on 
 look better for it. Views:
 
 - results, perf, runs, verdicts, generations: the archive tables (empty, with their columns, before any file exists).
-- run_summary: one row per run id in runs, results, perf or generations: kind, model, status, times, row counts.
+- run_summary: one row per run id in runs, results, perf or generations: kind, label, model, status, times, row
+  counts, and gate_passed (every verdict passed; null without verdicts).
+- presets: each KIVI preset of the configs (kivi-2) beside its `cache` name in the archive (kivi-k2v2-g32-r128),
+  the name every table spells a cache by: `JOIN presets USING (cache) WHERE preset = 'kivi-2'`.
 - task_scores: mean score per run / workload / task / cache, with n and n_errors.
 - workload_scores: per run / workload / cache; LongBench averages its task means, others average requests.
 - kivi_task_deltas, kivi_deltas: each non-fp16 cache vs fp16 of the same run, per task and per workload,
@@ -21,7 +24,7 @@ look better for it. Views:
   LongBench task, a NIAH length × depth cell, else the request itself; `task_cluster` within one task).
 - kivi_delta_stats, kivi_task_delta_stats, baseline_delta_stats(candidate_run, baseline_run),
   baseline_task_delta_stats(...): the same deltas with their paired statistics at 95% (pipeline.stats):
-  n_pairs, clusters, delta_points, ci_low, ci_high, p_value, test, mde_points. Baseline pairs match by
+  the two scores (fp16_score and kivi_score, or baseline_score and candidate_score), n_pairs, clusters, delta_points, ci_low, ci_high, p_value, test, mde_points. Baseline pairs match by
   request id within the same workload version.
 - generation_pairs: every fp16 row of a generate run beside the same input row under each other cache of the run:
   greedy (fp16 chose by argmax), exact_match (the cache gave the same token ids; false where it errored or is
@@ -48,7 +51,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 from duckdb.sqltypes import BIGINT, BOOLEAN, DOUBLE, VARCHAR
 
-from kivi.config import did_you_mean
+from kivi.config import did_you_mean, preset_caches
 from pipeline.archive import TABLES, TableSpec
 from pipeline.archive_root import ArchiveRoot, open_root
 from pipeline.errors import InputError
@@ -74,7 +77,7 @@ def _delta_stats(pairs: str, keys: str, reference: str, candidate: str, task_lev
     """The paired statistics of ``pairs`` (a view or macro call) grouped by ``keys``: per workload, or per task."""
     cluster, averaged = ("task_cluster", "false") if task_level else ("cluster", f"workload IN ({_AVERAGED})")
     return f"""
-        SELECT {keys}, s.n_pairs, s.clusters, s.delta_points, s.ci_low, s.ci_high, s.p_value, s.test, s.mde_points
+        SELECT {keys}, s.reference_score AS {reference}, s.candidate_score AS {candidate}, s.n_pairs, s.clusters, s.delta_points, s.ci_low, s.ci_high, s.p_value, s.test, s.mde_points
         FROM (SELECT {keys}, paired_delta_stats(list({reference}), list({candidate}), list({cluster}), {averaged},
                                                 {VIEW_CONFIDENCE}) AS s
               FROM {pairs} GROUP BY {keys})"""
@@ -88,12 +91,12 @@ _VIEWS = {
         WITH r AS (SELECT run_id, any_value(model) AS model, count(*) AS results, count(error) AS errors
                    FROM results GROUP BY run_id),
              p AS (SELECT run_id, any_value(model) AS model, count(*) AS perf_points FROM perf GROUP BY run_id),
-             v AS (SELECT run_id, count(*) AS verdicts FROM verdicts GROUP BY run_id),
+             v AS (SELECT run_id, count(*) AS verdicts, bool_and(passed) AS gate_passed FROM verdicts GROUP BY run_id),
              g AS (SELECT run_id, any_value(model) AS model, count(*) AS generations, count(error_code) AS error_rows
                    FROM generations GROUP BY run_id)
-        SELECT run_id, m.kind, coalesce(m.model, r.model, p.model, g.model) AS model, m.status, m.started_at,
-               m.finished_at, coalesce(r.results, 0) AS results, coalesce(r.errors, 0) AS errors,
-               coalesce(p.perf_points, 0) AS perf_points, coalesce(v.verdicts, 0) AS verdicts,
+        SELECT run_id, m.kind, coalesce(m.label, m.kind) AS label, coalesce(m.model, r.model, p.model, g.model) AS model,
+               m.status, m.started_at, m.finished_at, coalesce(r.results, 0) AS results, coalesce(r.errors, 0) AS errors,
+               coalesce(p.perf_points, 0) AS perf_points, coalesce(v.verdicts, 0) AS verdicts, v.gate_passed,
                coalesce(g.generations, 0) AS generations, coalesce(g.error_rows, 0) AS generation_errors
         FROM (SELECT run_id FROM runs UNION SELECT run_id FROM results UNION SELECT run_id FROM perf
               UNION SELECT run_id FROM generations)
@@ -244,7 +247,7 @@ _MACROS = [
 
 
 # What a query may name, for the message of one that names something else.
-KNOWN = ", ".join([*TABLES, *_VIEWS, *(re.search(r"MACRO (\w+\(.*?\))", m)[1] for m in _MACROS)])
+KNOWN = ", ".join([*TABLES, "presets", *_VIEWS, *(re.search(r"MACRO (\w+\(.*?\))", m)[1] for m in _MACROS)])
 NEWEST_FIRST = "ORDER BY started_at DESC NULLS LAST, run_id DESC"  # runs without a manifest row last
 
 
@@ -279,6 +282,8 @@ class Store:
         for spec in TABLES.values():
             self._con.register(f"_files_{spec.name}", self.dataset(spec))
             self._con.execute(f"CREATE VIEW {spec.name} AS SELECT {', '.join(spec.schema.names)} FROM _files_{spec.name}")
+        self._con.execute("CREATE TABLE presets (preset VARCHAR, cache VARCHAR)")
+        self._con.executemany("INSERT INTO presets VALUES (?, ?)", list(preset_caches().items()))
         for name, sql in _VIEWS.items():
             self._con.execute(f"CREATE VIEW {name} AS {sql}")
         for sql in _MACROS:
@@ -347,14 +352,14 @@ class Store:
 
 
 _PAIRED_DELTA_STATS = duckdb.struct_type(dict(
-    n_pairs=BIGINT, clusters=BIGINT, delta_points=DOUBLE, ci_low=DOUBLE, ci_high=DOUBLE, p_value=DOUBLE, test=VARCHAR,
+    reference_score=DOUBLE, candidate_score=DOUBLE, n_pairs=BIGINT, clusters=BIGINT, delta_points=DOUBLE, ci_low=DOUBLE, ci_high=DOUBLE, p_value=DOUBLE, test=VARCHAR,
     mde_points=DOUBLE))
 
 
 def _paired_delta_stats(reference: list[float], candidate: list[float], clusters: list[str], mean_of_clusters: bool,
                         confidence: float) -> dict[str, Any]:
     d = paired_delta(reference, candidate, clusters, mean_of_clusters, confidence)
-    return dict(n_pairs=d.n, clusters=d.clusters, delta_points=d.delta, ci_low=d.ci_low, ci_high=d.ci_high,
+    return dict(reference_score=d.reference_score, candidate_score=d.candidate_score, n_pairs=d.n, clusters=d.clusters, delta_points=d.delta, ci_low=d.ci_low, ci_high=d.ci_high,
                 p_value=d.p_value, test=d.test, mde_points=d.mde)
 
 
@@ -367,6 +372,19 @@ def _ratio_interval_stats(reference: list[float] | None, candidate: list[float] 
         return None
     r = ratio_interval(reference, candidate, confidence)
     return dict(ratio=r.ratio, ci_low=r.ci_low, ci_high=r.ci_high, repeats=r.repeats)
+
+
+def preset_hint(sql: str) -> str | None:
+    """What to say of a query that found nothing while naming a preset in a string (``WHERE cache = 'kivi-2'``): the
+    archive spells a cache by its configuration, so such a filter matches nothing without any error."""
+    named = {preset: cache for preset, cache in preset_caches().items() if f"'{preset}'" in sql}
+    if not named:
+        return None
+    names = ", ".join(f"'{preset}' is '{cache}'" for preset, cache in named.items())
+    preset = next(iter(named))
+    return (f"no rows, and the query names the preset{'s' * (len(named) > 1)} {', '.join(map(repr, named))}: the cache "
+            f"column holds archive names ({names}); filter on those, or on the preset through the presets table: "
+            f"… JOIN presets USING (cache) WHERE preset = '{preset}'")
 
 
 def _one_line(err: duckdb.Error) -> str:

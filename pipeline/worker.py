@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from pipeline.archive import ArchiveWriter
 from pipeline.config import RunConfig
@@ -66,6 +67,8 @@ class ModelWorker:
         torch.backends.cuda.enable_cudnn_sdp(False)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         dtype = resolve_dtype(cfg.model.dtype, self.device)
+        # Its bar, forwarded by Ray line by line, would print a dozen lines per actor.
+        hf_logging.disable_progress_bar()
         model, tokenizer = load_model(cfg.model.spec, self.device, dtype, tokenizer=cfg.model.tokenizer)
         self.engine = Engine(model, tokenizer)
         self.archive = ArchiveWriter(cfg.archive, ctx.run_id)
@@ -110,9 +113,9 @@ class EvalWorker(ModelWorker):
         self.workloads: dict[str, Workload] = self.ctx.config.build_workloads()
         self.caches = self.ctx.config.kivi_configs()
 
-    def run_shard(self, shard: Shard, caches: list[str]) -> dict[str, int]:
+    def run_shard(self, shard: Shard, caches: list[str]) -> dict[str, dict]:
         """Generate, score and write one shard under each named cache not yet in the archive (a shard retried after
-        its actor died keeps what that actor wrote); returns rows written per cache."""
+        its actor died keeps what that actor wrote); returns {cache: {"rows", "seconds"}} of those it wrote."""
         self._maybe_crash(shard.workload, shard.index)
         workload = self.workloads[shard.workload]
         written = {}
@@ -126,10 +129,7 @@ class EvalWorker(ModelWorker):
                 generations = self._generate(list(shard.requests), cache)
                 rows = [self._row(cache, r, g, err, workload) for r, (g, err) in zip(shard.requests, generations)]
             self.archive.write_results(shard.workload, cache, shard.index, rows)
-            written[cache] = len(rows)
-            # Per-shard progress: Ray forwards an actor's stdout to the driver, prefixed with the actor.
-            print(f"{shard.workload} shard {shard.index} {cache}: {len(rows)} requests in {time.perf_counter() - began:.1f} s",
-                  flush=True)
+            written[cache] = dict(rows=len(rows), seconds=time.perf_counter() - began)  # the driver prints progress
         return written
 
     def run_sweep(self, workload: str, requests: list[Request], cache: str) -> list[dict]:

@@ -14,6 +14,8 @@ import pytest  # noqa: E402
 import triton.runtime.interpreter as _interpreter  # noqa: E402
 from s3_server import seaweedfs  # noqa: E402
 
+from pipeline.workloads.data import DEFAULT_DATA_DIR, resolve_data_dir  # noqa: E402
+
 _patch_lang_tensor = _interpreter._patch_lang_tensor
 
 
@@ -27,15 +29,13 @@ def _patch_with_numpy2_index(tensor, scope):
 _interpreter._patch_lang_tensor = _patch_with_numpy2_index
 
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    """The offline copies of the data sets: $KIVI_DATA_DIR, else ../shared/data beside the checkout."""
-    path = Path(os.environ.get("KIVI_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
-    if not path.is_dir():
-        pytest.skip(f"no data folder at {path} (set KIVI_DATA_DIR)")
+    """The offline copies of the data sets, where a run finds them: $KIVI_DATA_DIR, else ../shared/data beside the
+    checkout."""
+    path = resolve_data_dir(None)
+    if path is None or not path.is_dir():
+        pytest.skip(f"no data folder at {path or DEFAULT_DATA_DIR} (set KIVI_DATA_DIR)")
     return path
 
 

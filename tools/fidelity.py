@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from kivi.config import FP16, KiviConfig
 from kivi.fidelity import DEFAULT_CONFIGS, measure_fidelity
 from pipeline.models import load_model
+from pipeline.workloads import resolve_data_dir
 from pipeline.workloads.fidelity import haystack_text
 
 
@@ -29,7 +29,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=32, help="tokens per forward step after the prefill chunk")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
-    parser.add_argument("--data-dir", type=Path, default=os.environ.get("KIVI_DATA_DIR"), help="folder with niah/PaulGrahamEssays (env KIVI_DATA_DIR)")
+    parser.add_argument("--data-dir", type=Path, help="folder with niah/PaulGrahamEssays (default: $KIVI_DATA_DIR, else "
+                                                      "../shared/data beside the checkout where it exists)")
     parser.add_argument("--text-file", type=Path, help="use this text instead of the essays")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

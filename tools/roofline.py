@@ -17,7 +17,6 @@ decode tokens/s. Run it on the GPU the sweep ran on.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 
 import torch
@@ -99,9 +98,7 @@ def best_points(run_id: str, archive: str) -> tuple[RunConfig, list[dict]]:
         SELECT * FROM perf WHERE run_id = $1 AND NOT oom
         QUALIFY row_number() OVER (PARTITION BY workload, cache ORDER BY tokens_per_s DESC) = 1
         ORDER BY workload, cache""", [run_id])
-    raw = yaml.safe_load(run[0]["config_yaml"])
-    raw["data_dir"] = raw.get("data_dir") or os.environ.get("KIVI_DATA_DIR")  # as load_config reads it
-    return RunConfig(**raw), points
+    return RunConfig(**yaml.safe_load(run[0]["config_yaml"])), points  # data_dir resolved as load_config resolves it
 
 
 def main(argv=None) -> None:

@@ -10,13 +10,12 @@ driver upgrade (GPU):
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
 from pipeline.engine import Engine
 from pipeline.models import load_model, load_tokenizer
-from pipeline.workloads import Request, get_workload
+from pipeline.workloads import Request, get_workload, resolve_data_dir
 
 
 def agreement(engine: Engine, requests: list[Request], batch_size: int = 4) -> int:
@@ -29,13 +28,14 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="random:llama-2-7b")
     parser.add_argument("--tokenizer", default="smollm2-135m", help="for random:<shape> models")
-    parser.add_argument("--data-dir", help="local data copies (default: $KIVI_DATA_DIR, else the Hub)")
+    parser.add_argument("--data-dir", help="local data copies (default: $KIVI_DATA_DIR, else ../shared/data beside the "
+                                           "checkout where it exists, else the Hub)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[3072, 4096])
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(args.model, device)  # fp16 on the GPU
     engine = Engine(model, tokenizer or load_tokenizer(args.tokenizer))
-    niah = get_workload("niah", data_dir=args.data_dir or os.environ.get("KIVI_DATA_DIR"), lengths=args.lengths)
+    niah = get_workload("niah", data_dir=resolve_data_dir(args.data_dir), lengths=args.lengths)
     requests = niah.requests(engine.tokenizer, max(args.lengths))
     for cudnn in (True, False):
         torch.backends.cuda.enable_cudnn_sdp(cudnn)

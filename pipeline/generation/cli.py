@@ -1,4 +1,5 @@
-"""`kivi-eval generate` and `python -m jobs.generate`: the flags, and a run from them to its summary, gate and report.
+"""The flags of `kivi-eval generate` and `python -m jobs.generate`, and the summary a run prints (the command itself is
+pipeline.cli's, as every command is).
 
 Imports nothing heavy at module level: `kivi-eval`'s other commands build this parser too.
 """
@@ -6,8 +7,6 @@ Imports nothing heavy at module level: `kivi-eval`'s other commands build this p
 from __future__ import annotations
 
 import argparse
-import time
-from typing import Any
 
 # Each config field (dotted): its flag and what it does (the fields of a `kind: generate` YAML file are the same).
 FLAGS = {
@@ -54,31 +53,6 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, dest=field, default=None, help=text.replace("%", "%%"), **kind)
     parser.add_argument("--run-id", help="resume this run: only the missing shard × cache files are generated")
     parser.add_argument("--no-ray", action="store_true", help="one worker in this process, without Ray")
-
-
-def generate_command(args: argparse.Namespace) -> int:
-    return generate_run(args.config, {field: getattr(args, field) for field in FLAGS}, args.run_id, args.no_ray)
-
-
-def generate_run(config_path: str | None, flags: dict[str, Any], run_id: str | None, no_ray: bool) -> int:
-    """Generate (or resume ``run_id``), print the summary, gate the run where the config names rules, report it;
-    returns the exit code as ``kivi-eval run`` does."""
-    from pipeline.cli import conclude
-    from pipeline.generation.config import load_generate_config
-    from pipeline.generation.runner import generate
-    from pipeline.names import GENERATE
-    from pipeline.runner import new_run_id
-
-    config = load_generate_config(config_path, **flags)
-    run_id = run_id or new_run_id(GENERATE)
-
-    def attempt() -> None:
-        began = time.perf_counter()
-        summary = generate(config, run_id, in_process=no_ray)
-        for line in summary_lines(summary, config.output, time.perf_counter() - began):
-            print(line)
-
-    return conclude(run_id, config.output, attempt, config.gate, config.reports)
 
 
 def summary_lines(summary, archive: str, seconds: float) -> list[str]:

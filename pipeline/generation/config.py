@@ -13,7 +13,8 @@ import yaml
 from pydantic import Field, PositiveInt, ValidationError, field_validator
 
 from kivi import KiviConfig, KiviConfigError
-from pipeline.config import ModelSection, RaySection, _Section, check_archive, check_model_section
+from pipeline.archive_root import ArchiveLocationError, open_root
+from pipeline.config import ModelSection, RaySection, _Section
 from pipeline.errors import ConfigError, read_yaml, validation_problem, validation_text
 from pipeline.generation import openai
 from pipeline.generation.cli import FLAGS
@@ -97,12 +98,6 @@ class GenerateConfig(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def is_generate_config(path: str | os.PathLike[str]) -> bool:
-    """Whether a config file is of the generate kind (``kivi-eval run`` hands it to ``kivi-eval generate``)."""
-    raw = read_yaml(Path(path), "config file", ConfigError)
-    return isinstance(raw, dict) and raw.get("kind") == GENERATE
-
-
 def load_generate_config(path: str | os.PathLike[str] | None = None, **flags: Any) -> GenerateConfig:
     """The config of a YAML file (if any) with ``flags`` (dotted field -> value, None: not given) over it, validated
     and checked; every problem is a ConfigError naming the field, its flag and the fix."""
@@ -117,8 +112,6 @@ def load_generate_config(path: str | os.PathLike[str] | None = None, **flags: An
             for section in sections:
                 node = node.setdefault(section, {})
             node[name] = value
-    if path and raw.get("gate") and not Path(raw["gate"]).is_absolute():
-        raw["gate"] = str(Path(path).parent / raw["gate"])
     try:
         config = GenerateConfig(**raw)
     except ValidationError as err:
@@ -142,8 +135,10 @@ def _check(config: GenerateConfig, where: str) -> None:
     def fail(field: str, err: Exception) -> None:
         raise ConfigError(f"{where}: {_named(field)}: {err}") from None
 
-    check_model_section(config.model, fail)
-    check_archive(config.output, "output", fail)
+    try:
+        open_root(config.output).check()
+    except ArchiveLocationError as err:
+        fail("output", err)
     if config.gate is not None:
         _check_rules(config, fail)
     if config.model.max_context is not None and config.max_new_tokens >= config.model.max_context:

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from pipeline.archive_root import ArchiveLocationError, open_root
 from pipeline.errors import InputError
-from pipeline.models import HUB_ID
+from pipeline.model_specs import HUB_ID
 
 FileFormat = Literal["jsonl", "parquet", "hub"]
 SUFFIXES: dict[str, FileFormat] = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}

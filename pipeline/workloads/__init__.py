@@ -21,7 +21,7 @@ from pipeline.workloads.base import (
     prompt_tokens,
     render_prompt,
 )
-from pipeline.workloads.data import DataSourceError
+from pipeline.workloads.data import DataSourceError, resolve_data_dir
 from pipeline.workloads.longbench_metrics import longbench_average
 from pipeline.workloads.registry import (
     UnknownWorkloadError,
@@ -48,6 +48,7 @@ __all__ = [
     "prompt_tokens",
     "register_workload",
     "render_prompt",
+    "resolve_data_dir",
     "workload_class",
     "workload_names",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -15,9 +16,24 @@ from huggingface_hub.errors import HfHubHTTPError
 
 T = TypeVar("T")
 
+HUB = "hub"  # a data_dir (or KIVI_DATA_DIR) of this word reads the Hub even where a local copy exists
+# The offline copies beside a checkout, as CI and the shared data folder lay them out (../shared/data).
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
+DATA_DIR_ORDER = ("the config's data_dir, else $KIVI_DATA_DIR, else ../shared/data beside the checkout where it "
+                  f"exists, else the Hugging Face Hub ({HUB!r} in either picks the Hub)")
+
 
 class DataSourceError(RuntimeError):
     """The data of a workload cannot be read: a missing folder or file, or an unreachable Hub."""
+
+
+def resolve_data_dir(value: str | os.PathLike[str] | None) -> Path | None:
+    """The data folder a run reads, in the order of DATA_DIR_ORDER (``value``: the config's data_dir); None: the Hub."""
+    if value is None:
+        value = os.environ.get("KIVI_DATA_DIR") or None
+    if value is None:
+        return DEFAULT_DATA_DIR if DEFAULT_DATA_DIR.is_dir() else None
+    return None if os.fspath(value) == HUB else Path(value)
 
 
 def local_path(data_dir: Path, *parts: str) -> Path:
@@ -32,7 +48,7 @@ def local_path(data_dir: Path, *parts: str) -> Path:
 
 def require_hub(repo_id: str) -> None:
     """Fail early, before any model loads, when the Hub cannot serve repo_id."""
-    hint = "set data_dir (a run config's top-level data_dir, or KIVI_DATA_DIR) to a local copy of the data (e.g. ../shared/data)"
+    hint = f"point data_dir at a local copy of the data sets (a run reads {DATA_DIR_ORDER})"
     if constants.HF_HUB_OFFLINE:
         raise DataSourceError(f"HF_HUB_OFFLINE is set, so dataset '{repo_id}' cannot be read from the Hub: {hint}")
     try:

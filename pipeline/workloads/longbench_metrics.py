@@ -15,8 +15,10 @@ import string
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
+from typing import TYPE_CHECKING
 
-from rouge_score.rouge_scorer import RougeScorer
+if TYPE_CHECKING:
+    from rouge_score.rouge_scorer import RougeScorer
 
 Metric = Callable[..., float]
 PUNCTUATION = frozenset(string.punctuation)
@@ -41,6 +43,10 @@ def qa_f1_score(prediction: str, ground_truth: str, **_: object) -> float:
 
 @cache
 def _rouge() -> RougeScorer:
+    # Imported at the first summary scored, not with the workloads: rouge-score imports nltk, which imports scipy
+    # and scikit-learn (2 s), and validating a config or listing the workloads scores nothing.
+    from rouge_score.rouge_scorer import RougeScorer
+
     return RougeScorer(["rougeL"], use_stemmer=False)
 
 

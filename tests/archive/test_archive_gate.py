@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from archive_files import listing, remove, write_parquet
-from synthetic_archive import K2, K4, MODEL, write_gsm8k
+from synthetic_archive import K2, K4, MODEL, result_row, write_gsm8k
 
 from pipeline.archive import ArchiveWriter
 from pipeline.gate import (
@@ -88,7 +88,11 @@ def test_the_nightly_gate_passes_and_fails_exactly_as_hand_computed(store: Store
     # One discordant pair: McNemar p = 1. A resample holds k ~ Binomial(20, 1/20) copies of it, a drop of 5k
     # points: P(k = 0) = 0.358 > 2.5% and P(k >= 4) = 0.016 < 2.5% <= P(k >= 3) = 0.075, so the interval is [0, 15].
     assert (gsm8k.observed, gsm8k.ci_low, gsm8k.ci_high, gsm8k.p_value, gsm8k.n) == (pytest.approx(5.0), 0.0, 15.0, 1.0, 20)
-    assert "n too small for a 3-points limit" in gsm8k.detail and "not shown above 3 points" in gsm8k.detail
+    assert gsm8k.detail == (
+        "gsm8k: fp16 70.00, KIVI 65.00, drop 5.00 points (95% CI [0.00, 15.00], mcnemar p = 1, n = 20); past the limit "
+        "of 3 points, but not significantly: the interval reaches back to 0.00, and a regression test fails only a harm "
+        "the data show beyond its limit; n = 20 is too small for a 3-point limit: the smallest effect it finds with 80% "
+        "power is 13.56 points")
     longbench = by_rule[("longbench-avg", K2)]
     assert (longbench.observed, longbench.ci_low, longbench.ci_high) == (pytest.approx(0.75), 0.0, pytest.approx(2.25))
     assert by_rule[("niah-cells", K2)].observed == 1.0 and by_rule[("kivi2-throughput", K2)].observed == pytest.approx(3.125)
@@ -116,6 +120,51 @@ def test_the_nightly_gate_passes_and_fails_exactly_as_hand_computed(store: Store
 ])
 def test_each_test_judges_the_interval_against_its_limit(store: Store, spec: dict, passed: bool) -> None:
     assert [v.passed for v in evaluate(store, "nightly-a", rules(spec))] == [passed]
+
+
+@pytest.mark.parametrize("spec, passed, says", [
+    ({"margin": 20}, True, "drop 5.00 points (95% CI [0.00, 15.00], mcnemar p = 1, n = 20); within the limit of 20 points"),
+    ({"margin": 1}, True, "; past the limit of 1 point, but not significantly: the interval reaches back to 0.00"),
+    ({"margin": 15, "test": "non_inferiority"}, False, "; not shown within the limit of 15 points: the interval reaches 15.00"),
+    ({"margin": 16, "test": "non_inferiority"}, True, "; shown within the limit of 16 points: the whole interval lies within it"),
+])
+def test_each_verdict_says_why_it_passed_or_failed_in_a_sentence(store: Store, spec: dict, passed: bool, says: str) -> None:
+    (verdict,) = evaluate(store, "nightly-a", rules({"kind": "max_drop", "workload": "gsm8k", "cache": K2, **spec}))
+    assert verdict.passed is passed and says in verdict.detail
+
+
+def test_a_verdict_on_one_request_says_the_point_estimate_decided_and_names_no_unknown_effect(tmp_path: Path) -> None:
+    writer = ArchiveWriter(tmp_path, "one")
+    for cache, score in ((FP16, 1.0), (K2, 0.0)):
+        writer.write_results("gsm8k", cache, 0, [{**result_row(cache, "gsm8k", "g00", score, "exact_match"),
+                                                   "model": MODEL, "workload_version": 3}])
+    with Store(tmp_path) as store:
+        wide, tight = evaluate(store, "one", rules({"kind": "max_drop", "workload": "gsm8k", "cache": K2, "margin": 150},
+                                                   {"kind": "max_drop", "workload": "gsm8k", "cache": K2, "margin": 50}))
+    assert wide.passed and not tight.passed
+    assert wide.detail == ("gsm8k: fp16 100.00, KIVI 0.00, drop 100.00 points (no interval: one cluster, mcnemar p = 1, "
+                           "n = 1); within the limit of 150 points: without an interval the point estimate decides; with "
+                           "one cluster (n = 1) the verdict rests on a single value, whatever the limit")
+    assert "past the limit of 50 points: without an interval" in tight.detail and "unknown" not in tight.detail
+
+
+@pytest.mark.parametrize("spec, passed, says", [
+    ({"ratio": 1.75}, True, "560.0 tokens/s (batch ≤ 32) vs fp16 320.0 (batch ≤ 16): 1.75× (no interval: one timing per "
+                            "point); at or above the floor of 1.75×: without an interval the point estimate decides"),
+    ({"ratio": 1.76}, False, "; below the floor of 1.76×: without an interval the point estimate decides"),
+    ({"ratio": 1.0, "test": "non_inferiority"}, False,
+     "; not shown at or above the floor of 1×: non-inferiority needs an interval, and one timing per point gives none"),
+])
+def test_a_throughput_verdict_says_why_in_the_same_words(store: Store, spec: dict, passed: bool, says: str) -> None:
+    (verdict,) = evaluate(store, "nightly-a", rules({"kind": "min_throughput_ratio", "cache": K4, **spec}))
+    assert verdict.passed is passed and says in verdict.detail
+
+
+def test_a_rule_may_name_its_cache_by_preset_as_configs_do(store: Store) -> None:
+    by_preset = evaluate(store, "nightly-a", rules({"kind": "max_drop", "workload": "gsm8k", "cache": "kivi-2", "margin": 3}))
+    assert [(v.cache, v.detail) for v in by_preset] == [
+        (v.cache, v.detail) for v in evaluate(store, "nightly-a", rules({"kind": "max_drop", "workload": "gsm8k",
+                                                                          "cache": K2, "margin": 3}))]
 
 
 def test_repeated_timings_give_the_throughput_ratio_an_interval(tmp_path: Path) -> None:

@@ -23,11 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 OTHER_MODEL = "qwen2.5-tiny"
 
 
-def add_run(root: str, run_id: str, day: int, k2_correct: int, kind: str = "nightly") -> None:
+def add_run(root: str, run_id: str, day: int, k2_correct: int, kind: str = "nightly", label: str | None = None) -> None:
     """A run ``day`` days after nightly-a: gsm8k only, fp16 and kivi-4 get 14 of 20 right, kivi-2 the first
     ``k2_correct`` (so its delta is −5 points per question it loses)."""
     writer = ArchiveWriter(root, run_id)
-    writer.write_run({"kind": kind, "model": MODEL, "config_yaml": CONFIG_YAML,
+    writer.write_run({"kind": kind, "label": label, "model": MODEL, "config_yaml": CONFIG_YAML,
                       "started_at": STARTED + dt.timedelta(days=day)})
     for cache, correct in ((FP16, 14), (K2, k2_correct), (K4, 14)):
         write_gsm8k(writer, cache, correct=correct)
@@ -49,7 +49,8 @@ GSM8K_K4_RULE = f"  - {{name: gsm8k-k4, kind: max_drop, workload: gsm8k, cache: 
 def history_archive(shared_archive: str, new_root, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The shared archive (nightly-a on 2025-06-01, canary-b stamped when built) and three later nightlies,
     nightly-2 gated on gsm8k / kivi-2, nightly-3 on gsm8k / kivi-2 and kivi-4, nightly-1 by a rules file since
-    deleted (its verdicts carry their workload); and a run of another model."""
+    deleted (its verdicts carry their workload); a nightly labelled long-ctx (a user's own series); and a run of
+    another model."""
     tmp = tmp_path_factory.mktemp("history")
     root = new_root("history")
     copy(shared_archive, root)
@@ -59,6 +60,7 @@ def history_archive(shared_archive: str, new_root, tmp_path_factory: pytest.Temp
     gate_with(root, "nightly-3", tmp / "gsm8k-both.yaml", GSM8K_K2_RULE + GSM8K_K4_RULE)
     gate_with(root, "nightly-1", tmp / "gone.yaml", GSM8K_K2_RULE)
     (tmp / "gone.yaml").unlink()
+    add_run(root, "long-ctx-1", 4, 10, label="long-ctx")
     other = ArchiveWriter(root, "other-1")
     for cache in (FP16, K2):
         other.write_results("gsm8k", cache, 0, [{**result_row(cache, "gsm8k", "g00", 1.0, "exact_match"),
@@ -70,19 +72,31 @@ def test_history_has_one_row_per_run_and_cache_oldest_first_with_the_views_stati
     with Store(history_archive) as store:
         rows = delta_history(store, MODEL, "gsm8k")
         stats = {(s["run_id"], s["cache"]): s for s in store.records("SELECT * FROM kivi_delta_stats WHERE workload = 'gsm8k'")}
-    assert [(r["run_id"], r["cache"]) for r in rows] == [
-        (run, cache) for run in ("nightly-a", "nightly-1", "nightly-2", "nightly-3", "canary-b") for cache in (K2, K4)]
+    assert [(r["run_id"], r["cache"]) for r in rows] == [(run, cache) for run in (
+        "nightly-a", "nightly-1", "nightly-2", "nightly-3", "long-ctx-1", "canary-b") for cache in (K2, K4)]
     k2 = {r["run_id"]: r for r in rows if r["cache"] == K2}
     # nightly-a's kivi-2 errors on one request; nightly-3 loses two: exact McNemar on 2 discordant pairs is 0.5.
     assert {run: r["delta_points"] for run, r in k2.items()} == {
-        "nightly-a": -5.0, "nightly-1": -5.0, "nightly-2": 0.0, "nightly-3": -10.0, "canary-b": 0.0}
-    assert (k2["nightly-3"]["fp16"], k2["nightly-3"]["kivi"], k2["nightly-3"]["n_pairs"]) == (70.0, 60.0, 20)
+        "nightly-a": -5.0, "nightly-1": -5.0, "nightly-2": 0.0, "nightly-3": -10.0, "long-ctx-1": -20.0, "canary-b": 0.0}
+    assert (k2["nightly-3"]["fp16_score"], k2["nightly-3"]["kivi_score"], k2["nightly-3"]["n_pairs"]) == (0.7, 0.6, 20)
     assert k2["nightly-3"]["p_value"] == pytest.approx(0.5)
     for r in rows:
         s = stats[(r["run_id"], r["cache"])]
         assert (r["ci_low"], r["ci_high"], r["p_value"]) == (s["ci_low"], s["ci_high"], s["p_value"])
     assert k2["nightly-3"]["ci_low"] < -10.0 and k2["nightly-3"]["ci_high"] <= 0.0
     assert k2["canary-b"]["kind"] == "canary" and k2["nightly-a"]["started_at"] == STARTED
+    assert (k2["canary-b"]["label"], k2["long-ctx-1"]["label"]) == ("canary", "long-ctx")  # the kind by default
+
+
+def test_history_gives_scores_in_the_units_of_kivi_deltas_and_deltas_in_points(history_archive) -> None:
+    with Store(history_archive) as store:
+        rows = delta_history(store, MODEL, "longbench")
+        views = {(d["run_id"], d["cache"]): d for d in store.records("SELECT * FROM kivi_deltas WHERE workload = 'longbench'")}
+    assert rows
+    for r in rows:
+        view = views[(r["run_id"], r["cache"])]
+        assert (r["fp16_score"], r["kivi_score"]) == pytest.approx((view["fp16_score"], view["kivi_score"]))
+        assert r["delta_points"] == pytest.approx(100 * (r["kivi_score"] - r["fp16_score"]))
 
 
 def test_gate_passed_comes_from_the_rules_on_that_workload_and_cache_and_is_null_where_unknown(history_archive) -> None:
@@ -102,10 +116,12 @@ def test_cache_kind_and_last_narrow_the_rows_and_keep_the_oldest_first(history_a
     with Store(history_archive) as store:
         def runs(**kwargs) -> list[str]:
             return [r["run_id"] for r in delta_history(store, MODEL, "gsm8k", cache=K2, **kwargs)]
-        assert runs() == ["nightly-a", "nightly-1", "nightly-2", "nightly-3", "canary-b"]
-        assert runs(kind="nightly") == ["nightly-a", "nightly-1", "nightly-2", "nightly-3"]
-        assert runs(last=2) == ["nightly-3", "canary-b"]
-        assert runs(kind="nightly", last=2) == ["nightly-2", "nightly-3"]
+        assert runs() == ["nightly-a", "nightly-1", "nightly-2", "nightly-3", "long-ctx-1", "canary-b"]
+        assert runs(kind="nightly") == ["nightly-a", "nightly-1", "nightly-2", "nightly-3", "long-ctx-1"]
+        assert runs(label="nightly") == ["nightly-a", "nightly-1", "nightly-2", "nightly-3"]  # long-ctx is its own
+        assert runs(label="long-ctx") == ["long-ctx-1"]
+        assert runs(last=2) == ["long-ctx-1", "canary-b"]
+        assert runs(kind="nightly", last=2) == ["nightly-3", "long-ctx-1"]
         assert [r["run_id"] for r in delta_history(store, OTHER_MODEL, "gsm8k")] == ["other-1"]
 
 
@@ -118,6 +134,9 @@ def test_cache_kind_and_last_narrow_the_rows_and_keep_the_oldest_first(history_a
     (dict(model=OTHER_MODEL, workload="longbench"), f"of model {OTHER_MODEL} with workload 'longbench'"),
     (dict(model=MODEL, workload="gsm8k", cache="kivi-k2v2"), f"(did you mean '{K2}'?)"),
     (dict(model=MODEL, workload="gsm8k", kind="nighty"), "(did you mean 'nightly'?); kinds there: canary, nightly"),
+    (dict(model=MODEL, workload="gsm8k", label="long-ctz"),
+     "(did you mean 'long-ctx'?); labels there: canary, long-ctx, nightly"),
+    (dict(model=MODEL, workload="gsm8k", cache="kivi-3"), "with cache 'kivi-3'"),
 ])
 def test_a_name_without_deltas_is_an_error_naming_the_closest(history_archive, names, says) -> None:
     with Store(history_archive) as store, pytest.raises(NoHistoryError) as err:
@@ -125,13 +144,20 @@ def test_a_name_without_deltas_is_an_error_naming_the_closest(history_archive, n
     assert says.format(root=history_archive) in str(err.value)
 
 
+def test_a_cache_is_named_by_its_preset_as_configs_name_it_or_by_its_archive_name(history_archive) -> None:
+    with Store(history_archive) as store:
+        by_preset = delta_history(store, MODEL, "gsm8k", cache="kivi-2")
+        assert by_preset == delta_history(store, MODEL, "gsm8k", cache=K2) and {r["cache"] for r in by_preset} == {K2}
+
+
 def test_the_command_prints_the_table_and_answers_a_typo_in_one_line(history_archive, capsys) -> None:
     common = ["--workload", "gsm8k", "--archive", str(history_archive)]
-    assert main(["history", "--model", MODEL, *common, "--cache", K2, "--kind", "nightly", "--last", "2"]) == 0
+    assert main(["history", "--model", MODEL, *common, "--cache", "kivi-2", "--label", "nightly", "--last", "2"]) == 0
     header, _, *rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()]
-    assert header == ["run_id", "kind", "started_at", "cache", "fp16", "kivi", "delta_points", "ci_low", "ci_high",
-                      "n_pairs", "p_value", "gate_passed"]
-    assert [(r[0], r[6], r[-1]) for r in rows] == [("nightly-2", "0.0000", "True"), ("nightly-3", "-10.0000", "False")]
+    assert header == ["run_id", "kind", "label", "started_at", "cache", "fp16_score", "kivi_score", "delta_points",
+                      "ci_low", "ci_high", "n_pairs", "p_value", "gate_passed"]
+    assert [(r[0], r[5], r[6], r[7], r[-1]) for r in rows] == [("nightly-2", "0.7000", "0.7000", "0.0000", "True"),
+                                                              ("nightly-3", "0.7000", "0.6000", "-10.0000", "False")]
     assert main(["history", "--model", "smollm2", *common]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("kivi-eval: error: no KIVI result with model 'smollm2'") and "smollm2-135m" in line

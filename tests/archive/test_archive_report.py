@@ -106,6 +106,57 @@ def test_the_throughput_table_gives_max_batch_and_the_ratio_to_fp16(report: Path
     assert f"| sharegpt | {K2} | 64        | 128             | 1000.00      | 3.12" in text
 
 
+def test_the_kv_size_is_a_fraction_of_fp16s_as_in_the_readme_and_explained_below_the_table(report: Path) -> None:
+    section = report.read_text().split("## Throughput sweep\n\n", 1)[1].split("\n## ", 1)[0]
+    assert "| KV bytes / fp16 |" in section and f"| {K2} |" in section and "| 0.19            | H200   |" in section
+    assert "KV bytes / fp16: the sweep's cache" in section and "up to 640 tokens per sequence here" in section
+    assert "Measured on a CPU" not in section  # an H200's sweep
+    assert "![Tokens/s and peak memory vs batch size; × marks OOM](throughput.png)" in section  # GPU: memory drawn
+
+
+def test_a_cpu_sweep_is_flagged_and_its_caption_promises_no_memory_panel(root: str, tmp_path: Path) -> None:
+    writer = ArchiveWriter(root, "cpu")
+    for cache, tokens_per_s in ((FP16, 30.0), (K2, 27.0)):
+        writer.write_perf([{"model": "m", "cache": cache, "workload": "sharegpt", "batch_size": 1, "prompt_len": 100,
+                            "gen_len": 32, "tokens_per_s": tokens_per_s, "kv_bytes": 40, "fp16_kv_bytes": 100,
+                            "oom": False, "device": "cpu"}])
+    write_gsm8k(writer, FP16, correct=10)
+    write_gsm8k(writer, K2, correct=10)
+    with Store(root) as store:
+        text = write_report(store, "cpu", tmp_path / "out").read_text()
+    section = text.split("## Throughput sweep\n\n", 1)[1].split("\n## ", 1)[0]
+    assert "**Measured on a CPU**: there KIVI runs on the PyTorch reference path" in section
+    assert "![Tokens/s vs batch size (peak memory is measured on GPUs only); × marks OOM](throughput.png)" in section
+    summary = text.split("## Summary\n\n", 1)[1].split("\n\n", 1)[0]
+    assert f"Throughput (**kivi-2** (`{K2}`) 0.90× fp16's tokens/s) was measured on a CPU: there KIVI runs" in summary
+
+
+def test_the_report_opens_with_a_summary_of_each_cache_the_gates_and_the_smallest_loss_n_can_see(report: Path) -> None:
+    text = report.read_text()
+    assert text.index("## Summary") < text.index("## Scores")
+    summary = text.split("## Summary\n\n", 1)[1].split("\n\n", 1)[0]
+    assert summary.startswith(
+        f"**kivi-2** (`{K2}`) drops 5.00 points on gsm8k, not significantly at n = 20 [-15.00, +0.00] and 11.11 points on "
+        "niah, not significantly at n = 9 [-33.33, +0.00]; it matches fp16 (within a point, inside its 95% interval) on "
+        f"longbench. **kivi-4** (`{K4}`) matches fp16 (within a point, inside its 95% interval) on gsm8k, longbench and "
+        "niah. ")
+    assert (f"Gate nightly failed 3 of 9 verdicts (kl-kivi2 on {K2}, kl-kivi4 on {K4} and niah-cells on {K2}). "
+            f"Gate smoke failed 2 of 5 verdicts") in summary
+    # niah: 1 lost cell of 9 for kivi-2, so its bootstrap spreads widest.
+    assert f"the smallest loss found with 80% power is up to 29.2 points (niah on {K2})" in summary
+    assert f"Throughput: **kivi-2** (`{K2}`) 3.12× and **kivi-4** (`{K4}`) 1.75× fp16's best tokens/s" in summary
+
+
+def test_a_cache_that_loses_beyond_its_interval_is_named_with_the_loss(root: str, tmp_path: Path) -> None:
+    writer = ArchiveWriter(root, "lossy")
+    write_gsm8k(writer, FP16, correct=20)
+    write_gsm8k(writer, K2, correct=10)
+    with Store(root) as store:
+        text = write_report(store, "lossy", tmp_path / "out").read_text()
+    summary = text.split("## Summary\n\n", 1)[1].split("\n\n", 1)[0]
+    assert summary.startswith(f"**kivi-2** (`{K2}`) loses 50.00 points on gsm8k [-") and "The run was not gated." in summary
+
+
 def test_the_header_verdicts_skipped_counts_and_config_are_reported(report: Path) -> None:
     text = report.read_text()
     assert "# KIVI evaluation: `nightly-a`" in text and "| transformers | 5.17.0" in text and "| status       | complete" in text
@@ -175,4 +226,15 @@ def test_an_ungated_run_plots_every_delta_and_an_older_run_only_what_came_before
 
 def test_a_run_without_earlier_runs_says_so_in_one_line(report: Path) -> None:
     section = report.read_text().split("## History: smollm2-135m, nightly runs\n\n", 1)[1].split("\n\n", 1)[0]
-    assert section == "No earlier run of smollm2-135m of kind nightly in the archive: no history yet."
+    assert section == "No earlier run of smollm2-135m labelled nightly in the archive: no history yet."
+
+
+def test_a_delta_without_an_interval_names_no_test_beside_it(root: str, tmp_path: Path) -> None:
+    writer = ArchiveWriter(root, "one")
+    for cache, score in ((FP16, 1.0), (K2, 0.76)):  # one request, scored as a fraction: no bootstrap, no McNemar
+        writer.write_results("fidelity", cache, 0, [{"model": "m", "workload_version": 1, "task": "fidelity",
+                                                      "request_id": "f0", "score": score, "metric": "top1_agreement"}])
+    with Store(root) as store:
+        text = write_report(store, "one", tmp_path / "out").read_text()
+    assert f"| fidelity | {K2} | 100.00 | 76.00 | -24.00   | –      | – | –    | 1       |" in text
+    assert "moves -24.00 points on fidelity (one cluster: no interval, so not a finding)" in text

@@ -45,6 +45,13 @@ def test_kivi_deltas_are_percentage_points_of_kivi_minus_fp16_per_workload(store
     assert by(rows, "workload", "cache", value="kivi_score")[("longbench", K2)] == pytest.approx(0.4925)
 
 
+def test_the_presets_table_names_each_preset_by_the_cache_the_archive_spells(store: Store) -> None:
+    presets = by(store.records("SELECT * FROM presets"), "preset", value="cache")
+    assert (presets["kivi-2"], presets["kivi-4"], presets["token-keys-2"]) == (K2, K4, "kivi-k2v2-g32-r128-ktoken")
+    rows = store.records("SELECT DISTINCT preset, cache FROM kivi_deltas JOIN presets USING (cache) ORDER BY preset")
+    assert [(r["preset"], r["cache"]) for r in rows] == [("kivi-2", K2), ("kivi-4", K4)]
+
+
 def test_kivi_task_deltas_give_each_longbench_task_its_own_delta(store: Store) -> None:
     rows = store.records(
         "SELECT * FROM kivi_task_deltas WHERE run_id = 'nightly-a' AND workload = 'longbench' AND cache = $1", [K2])

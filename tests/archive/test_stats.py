@@ -104,7 +104,8 @@ def test_the_ratio_interval_resamples_each_side_and_needs_two_timings():
 def test_the_store_views_carry_the_same_deltas_as_the_point_views_with_intervals_around_them(tmp_path):
     with Store(build_archive(tmp_path)) as store:
         stats = {(r["workload"], r["cache"]): r for r in store.records("SELECT * FROM kivi_delta_stats WHERE run_id = 'nightly-a'")}
-        points = store.records("SELECT workload, cache, delta_points, n_pairs FROM kivi_deltas WHERE run_id = 'nightly-a'")
+        points = store.records("SELECT workload, cache, fp16_score, kivi_score, delta_points, n_pairs FROM kivi_deltas "
+                               "WHERE run_id = 'nightly-a'")
         task = store.records("SELECT * FROM kivi_task_delta_stats WHERE run_id = 'nightly-a' AND task = 'narrativeqa' "
                              "AND cache = $1", [K2])
         baseline = store.records("SELECT * FROM baseline_delta_stats('canary-b', 'nightly-a') WHERE workload = 'gsm8k' "
@@ -113,9 +114,12 @@ def test_the_store_views_carry_the_same_deltas_as_the_point_views_with_intervals
     for p in points:
         s = stats[(p["workload"], p["cache"])]
         assert s["delta_points"] == pytest.approx(p["delta_points"]) and s["n_pairs"] == p["n_pairs"]
+        # The scores too, in the same units (fractions), LongBench's as the mean of its task means.
+        assert (s["fp16_score"], s["kivi_score"]) == pytest.approx((p["fp16_score"], p["kivi_score"]))
         assert s["ci_low"] <= s["delta_points"] + 1e-9 and s["delta_points"] <= s["ci_high"] + 1e-9
     assert stats[("longbench", K2)]["clusters"] == 3 and stats[("niah", K2)]["clusters"] == 9
     assert stats[("gsm8k", K2)]["test"] == "mcnemar" and stats[("longbench", K2)]["test"] == "bootstrap"
     assert task[0]["delta_points"] == pytest.approx(-2.25) and task[0]["n_pairs"] == 4
     # canary-b answers the question nightly-a's kivi-2 errored on: +5 points, paired by request id.
     assert baseline[0]["delta_points"] == pytest.approx(5.0) and baseline[0]["p_value"] == 1.0
+    assert (baseline[0]["baseline_score"], baseline[0]["candidate_score"]) == pytest.approx((0.65, 0.70))

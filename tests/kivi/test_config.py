@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from kivi import KiviConfig, KiviConfigError
-from kivi.config import did_you_mean
+from kivi.config import cache_name, did_you_mean, preset_caches
 
 
 @pytest.mark.parametrize(
@@ -70,3 +70,20 @@ def test_presets_match_the_paper_settings():
     assert KiviConfig.from_name("kivi-2") == KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=128)
     token_keys = KiviConfig.from_name("token-keys-2")
     assert (token_keys.key_axis, token_keys.value_axis) == ("token", "token")
+
+
+def test_a_preset_names_the_cache_of_its_configuration_and_any_other_name_is_itself():
+    assert cache_name("kivi-2") == KiviConfig.from_name("kivi-2").name == "kivi-k2v2-g32-r128"
+    assert cache_name("token-keys-2-r0") == "kivi-k2v2-g32-r0-ktoken"
+    assert cache_name("kivi-k4v4-g32-r128") == "kivi-k4v4-g32-r128" and cache_name("fp16") == "fp16"
+    assert len(set(preset_caches().values())) == len(preset_caches())  # one preset per archive name
+
+
+def test_what_the_slot_cache_cannot_hold_is_decided_from_the_config_alone_without_torch():
+    code = ("import sys\nfrom kivi.config import KiviConfig, slot_unsupported\n"
+            "print(slot_unsupported(KiviConfig.from_name('kivi-2')), slot_unsupported(KiviConfig(sink_tokens=4)), "
+            "'torch' in sys.modules, sep='|')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    none, sinks, torch_loaded = out.split("|")
+    assert none == "None" and sinks.startswith("sink_tokens=4: the static decode engine keeps no sink buffers")
+    assert torch_loaded == "False"

@@ -6,10 +6,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from huggingface_hub import constants
 from s3_server import free_ports
 
 from pipeline.config import ConfigError, load_config
 from pipeline.gate import check_config_rules, load_gate
+from pipeline.models import load_model_config
+from pipeline.workloads import data as data_module
+from pipeline.workloads import resolve_data_dir
 
 MODEL = {"spec": "smollm2-135m"}
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -25,12 +29,14 @@ def _kivi_eval_run(config: Path) -> subprocess.CompletedProcess:
         (dict(workloads={"gsm8": {"n": 2}}), "workloads.gsm8: Unknown workload 'gsm8' (did you mean 'gsm8k'?)"),
         (dict(workloads={"gsm8k": {"n": 0}}), "workloads.gsm8k: workload 'gsm8k': option 'n'"),
         (dict(caches=["kivi-2"], cache_overrides={"kivi-2": {"residual_length": 100}}, workloads={"gsm8k": {"n": 2}}),
-         "caches: KiviConfig.residual_length=100 must be >= 0 and a multiple of group_size=32; use 96 or 128"),
+         "cache_overrides.kivi-2: KiviConfig.residual_length=100 must be >= 0 and a multiple of group_size=32; use 96 or 128"),
         (dict(caches=["kivi2"], workloads={"gsm8k": {"n": 2}}), "did you mean 'kivi-2'"),
         (dict(caches=["fp16", "kivi-2"], workloads={"gsm8k": {"n": 2}}), "fp16 is always run as the baseline"),
         (dict(kind="canary", workloads={"gsm8k": {"n": 2}}), "baseline_run_id: a canary needs the baseline run"),
         (dict(model={"spec": "random:llama-9b"}, workloads={"gsm8k": {"n": 2}}), "model.spec: model: unknown shape 'llama-9b'"),
-        (dict(workloads={"gsm8k": {"n": 2}}, gate="missing-rules.yaml"), "gate: no gate rules file"),
+        (dict(workloads={"gsm8k": {"n": 2}}, gate="missing-rules.yaml"), "gate: no gate rules file missing-rules.yaml "
+                                                                           "(a relative path is read from the working directory"),
+        (dict(workloads={"gsm8k": {"n": 2}}, label="my run"), "label: String should match pattern"),
         (dict(caches=["kivi-2"], cache_overrides={"kivi-2": {"sink_tokens": 4}}, workloads={"sharegpt": {"n": 2}}),
          "caches: kivi-k2v2-g32-r128-s4 cannot run the sharegpt sweep on the static decode engine: sink_tokens=4"),
     ],
@@ -94,12 +100,114 @@ def test_a_missing_data_folder_is_named(write_config, tmp_path):
         load_config(path)
 
 
-def test_an_unreachable_hub_without_a_local_folder_says_to_set_data_dir(write_config, monkeypatch):
-    monkeypatch.delenv("KIVI_DATA_DIR", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_an_unreachable_hub_says_where_a_run_looks_for_local_data(write_config, monkeypatch):
+    monkeypatch.setenv("KIVI_DATA_DIR", "hub")  # the Hub even where ../shared/data exists
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     path = write_config(model=MODEL, workloads={"gsm8k": {"n": 2}})
-    with pytest.raises(ConfigError, match="workloads.gsm8k: .*data_dir"):
+    with pytest.raises(ConfigError) as err:
         load_config(path)
+    assert ("workloads.gsm8k: HF_HUB_OFFLINE is set, so dataset 'openai/gsm8k' cannot be read from the Hub: point data_dir "
+            "at a local copy of the data sets (a run reads the config's data_dir, else $KIVI_DATA_DIR, else ../shared/data "
+            "beside the checkout where it exists, else the Hugging Face Hub") in str(err.value)
+
+
+@pytest.mark.parametrize("in_config, in_env, default_exists, found", [
+    ("config", "env", True, "config"),
+    (None, "env", True, "env"),
+    (None, None, True, "default"),
+    (None, None, False, None),  # the Hub
+    ("hub", None, True, None),
+    (None, "hub", True, None),
+])
+def test_the_data_folder_is_the_configs_then_kivi_data_dir_then_the_checkouts_neighbour_then_the_hub(
+        tmp_path, monkeypatch, in_config, in_env, default_exists, found):
+    folders = {name: tmp_path / name for name in ("config", "env", "default")}
+    for name, folder in folders.items():
+        if name != "default" or default_exists:
+            folder.mkdir()
+    monkeypatch.setattr(data_module, "DEFAULT_DATA_DIR", folders["default"])
+    monkeypatch.delenv("KIVI_DATA_DIR", raising=False)
+    if in_env:
+        monkeypatch.setenv("KIVI_DATA_DIR", str(folders.get(in_env, in_env)))
+    given = str(folders.get(in_config, in_config)) if in_config else None
+    assert resolve_data_dir(given) == (folders[found] if found else None)
+
+
+def test_the_default_data_folder_is_shared_data_beside_the_checkout():
+    assert data_module.DEFAULT_DATA_DIR == CONFIGS.parents[1] / "shared" / "data"
+
+
+def test_paths_in_a_config_are_read_from_the_working_directory_so_a_copied_config_runs_the_same(
+        data_dir, tmp_path, monkeypatch):
+    copied = tmp_path / "elsewhere" / "mine.yaml"
+    copied.parent.mkdir()
+    copied.write_text((CONFIGS / "smoke.yaml").read_text())
+    monkeypatch.chdir(CONFIGS.parent)
+    config = load_config(copied, data_dir=str(data_dir), archive=str(tmp_path / "archive"))
+    assert config.gate == Path("configs/gates/smoke.yaml") and config.reports == Path("reports")
+
+
+def test_a_gate_named_relative_to_the_config_as_before_is_refused_with_the_path_to_write(write_config, data_dir,
+                                                                                        tmp_path, monkeypatch):
+    (tmp_path / "gates").mkdir()
+    (tmp_path / "gates" / "mine.yaml").write_text((CONFIGS / "gates" / "smoke.yaml").read_text())
+    path = write_config(model=MODEL, data_dir=str(data_dir), workloads=GSM8K, gate="gates/mine.yaml")
+    monkeypatch.chdir(CONFIGS.parent)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert (f"gate: no gate rules file gates/mine.yaml (a relative path is read from the working directory, "
+            f"{CONFIGS.parent}); {tmp_path}/gates/mine.yaml is the file beside the config: write gate: "
+            f"{tmp_path}/gates/mine.yaml") in str(err.value)
+
+
+def test_the_label_names_the_runs_series_and_is_the_kind_unless_given(write_config, data_dir):
+    assert load_config(write_config(model=MODEL, data_dir=str(data_dir), workloads=GSM8K, kind="smoke")).label == "smoke"
+    config = load_config(write_config(model=MODEL, data_dir=str(data_dir), workloads=GSM8K, label="long-ctx"))
+    assert (config.kind, config.label) == ("nightly", "long-ctx")
+
+
+THREE_MISTAKES = """kind: smoke
+model: {spec: smollm2-136m}
+caches: [kivi-3]
+workloads:
+  gsm8: {n: 2}
+"""
+
+
+def test_three_mistakes_are_one_message_naming_each_field_and_its_fix(tmp_path):
+    path = tmp_path / "three.yaml"
+    path.write_text(THREE_MISTAKES)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).splitlines() == [
+        f"{path}: 3 problems:",
+        "  model.spec: model: 'smollm2-136m' is no packaged model, random:<shape>, .gguf file, folder or Hub id "
+        "(owner/name) (did you mean 'smollm2-135m'?); packaged: ['gemma-3-270m', 'qwen2.5-coder-0.5b', 'qwen2.5-coder-1.5b', 'smollm2-135m']",
+        "  workloads.gsm8: Unknown workload 'gsm8' (did you mean 'gsm8k'?). Known: fidelity, gsm8k, longbench, niah, sharegpt",
+        "  caches: unknown KIVI preset 'kivi-3' (did you mean 'kivi-8'?); presets: kivi-2, kivi-4, kivi-8, kivi-2-r32, "
+        "kivi-2-r0, token-keys-2, token-keys-2-r0, unquantized",
+    ]
+
+
+def test_the_cli_reports_a_bad_config_before_importing_torch_or_transformers(tmp_path):
+    path = tmp_path / "three.yaml"
+    path.write_text(THREE_MISTAKES)
+    code = ("import sys; from pipeline.cli import main\n"
+            f"code = main(['run', {str(path)!r}])\n"
+            "print(code, sorted(m for m in ('torch', 'transformers', 'ray', 'sklearn') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.splitlines()[-1] == "2 []", done.stderr
+    assert done.stderr.startswith(f"kivi-eval: error: {path}: 3 problems:")
+
+
+def test_validating_the_smoke_config_imports_no_torch(data_dir):
+    code = ("import sys; from pipeline.config import load_config; from pipeline.gate import check_config_rules\n"
+            f"config = load_config({str(CONFIGS / 'smoke.yaml')!r}, data_dir={str(data_dir)!r})\n"
+            f"check_config_rules(config, {str(CONFIGS / 'smoke.yaml')!r})\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'ray', 'sklearn') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=CONFIGS.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
 
 
 def test_the_cli_fails_fast_with_one_line_and_no_archive(write_config, data_dir, tmp_path):
@@ -191,3 +299,10 @@ def test_an_s3_archive_in_reach_validates(write_config, data_dir, s3_server):
     path = write_config(model=MODEL, data_dir=str(data_dir), workloads={"gsm8k": {"n": 2}},
                         archive=f"s3://{s3_server.bucket}/not-yet-written")
     assert load_config(path).archive == f"s3://{s3_server.bucket}/not-yet-written"
+
+
+def test_a_random_shape_named_by_model_specs_builds_the_published_config():
+    config = load_model_config("random:llama-3-8b")
+    assert (config.model_type, config.num_key_value_heads, config.vocab_size) == ("llama", 8, 128256)
+    assert config.rope_parameters["rope_theta"] == 500000.0
+    assert load_model_config("random:mistral-7b").sliding_window is None

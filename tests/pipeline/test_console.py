@@ -1,8 +1,10 @@
 """What a run says on the console, and when: a resume and skipped records at the start, a line per sweep point,
-no third-party warnings the project causes, and no archive write before the model spec resolves."""
+a line per finished job counted against the plan, no third-party warnings the project causes, and no archive
+write before the model spec resolves."""
 
 import datetime as dt
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ from pipeline.archive import ArchiveWriter
 from pipeline.config import RunConfig, load_config
 from pipeline.models import ModelSpecError
 from pipeline.names import FP16
-from pipeline.worker import EvalWorker, RunContext
+from pipeline.worker import EvalWorker, RunContext, Shard
 
 MODEL = {"spec": "smollm2-135m", "max_context": 1024}
 K2 = "kivi-k2v2-g32-r128"
@@ -117,3 +119,43 @@ def test_decoding_with_the_packaged_tokenizer_prints_no_transformers_warning():
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "Hello , world !"  # no clean-up either way: BPE keeps the spaces
     assert "clean_up_tokenization_spaces" not in done.stderr
+
+
+def test_each_finished_job_prints_one_line_counted_against_the_plan(tmp_path, monkeypatch, capsys):
+    config = RunConfig(model={"spec": "smollm2-135m"}, workloads={"gsm8k": {}}, archive=tmp_path)
+    one, two = (Shard("gsm8k", i, (None,) * (i + 1)) for i in range(2))
+    timed = {"fp16": {"rows": 1, "seconds": 2.04}, K2: {"rows": 1, "seconds": 3.0}}
+    points = [dict(batch_size=1, tokens_per_s=10.0, oom=False), dict(batch_size=2, tokens_per_s=18.5, oom=False),
+              dict(batch_size=4, oom=True)]
+    finished = [(0, ("run_sweep", ("sharegpt", [], K2)), points), (0, ("run_shard", (one, ["fp16", K2])), timed),
+                (0, ("run_shard", (two, ["fp16"])), {"fp16": timed["fp16"]})]
+
+    def in_process(worker_cls, ctx, jobs, placements):
+        placements[:] = [{"jobs": 0}]
+        yield from finished
+
+    monkeypatch.setattr(runner, "_in_process", in_process)
+    summary = runner.RunSummary("r1")
+    runner._execute(config, None, [(one, ["fp16", K2]), (two, ["fp16"])], [("sharegpt", [], K2)], summary, True, True)
+    lines = [re.sub(r"; [\d.]+ s\]", "; T]", line) for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        f"[0/3 shard × cache files, 1/1 sweeps; T] sharegpt sweep {K2}: best 18.5 tokens/s at batch 2 (3 timings)",
+        f"[2/3 shard × cache files, 1/1 sweeps; T] gsm8k shard 0 (1 request): fp16 2.0 s, {K2} 3.0 s",
+        "[3/3 shard × cache files, 1/1 sweeps; T] gsm8k shard 1 (2 requests): fp16 2.0 s"]
+    assert summary.placements == [{"jobs": 3}] and len(summary.computed) == 3
+
+
+@pytest.mark.parametrize("seconds, shown", [(48.24, "48.2 s"), (677, "11 min 17 s"), (7500, "2 h 5 min")])
+def test_durations_read_at_a_glance(seconds, shown):
+    assert runner.format_seconds(seconds) == shown
+
+
+def test_an_actor_loads_its_model_without_a_progress_bar(tiny_model_folder, tmp_path):
+    # Ray forwards an actor's output line by line: a bar would print one line per update.
+    code = ("import datetime as dt\nfrom pipeline.config import RunConfig\nfrom pipeline.worker import EvalWorker, RunContext\n"
+            f"config = RunConfig(model={{'spec': {str(tiny_model_folder(64))!r}}}, workloads={{'gsm8k': {{}}}}, "
+            f"archive={str(tmp_path)!r})\n"
+            "EvalWorker(RunContext('r1', config, dt.datetime.now(dt.UTC), None))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Loading weights" not in done.stderr and "it/s]" not in done.stderr

@@ -32,7 +32,7 @@ def run_config(tmp_path, model, data_dir) -> str:
     config.write_text(yaml.safe_dump(dict(
         kind="smoke", model={"spec": str(model), "max_context": 1024}, caches=["kivi-2"],
         workloads={"gsm8k": {"n": 2, "num_fewshot": 1, "max_new_tokens": 4}}, data_dir=str(data_dir),
-        archive=str(tmp_path / "archive"), reports=str(tmp_path / "reports"), gate="rules.yaml",
+        archive=str(tmp_path / "archive"), reports=str(tmp_path / "reports"), gate=str(rules),
         generation={"batch_size": 2}, ray={"shard_size": 2})))
     return str(config)
 

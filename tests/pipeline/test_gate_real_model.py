@@ -31,8 +31,8 @@ def test_the_gate_passes_kivi2_and_fails_per_token_keys_without_residual(write_c
     kivi2_only = tmp_path / "kivi2-only.yaml"
     kivi2_only.write_text(yaml.safe_dump({"rules": [{**RULE, "cache": KIVI2}]}))
 
-    assert gate(summary.run_id, kivi2_only, str(config.archive)) == 0
-    assert gate(summary.run_id, every_cache, str(config.archive)) == 1
+    assert gate(summary.run_id, str(config.archive), kivi2_only, record=True) == 0
+    assert gate(summary.run_id, str(config.archive), every_cache, record=True) == 1
     print(capsys.readouterr().out)  # the verdict tables, for the CI log
     with Store(config.archive) as store:
         verdicts = {r["cache"]: r for r in store.records(

@@ -13,7 +13,8 @@ import yaml
 from pipeline.cli import report
 from pipeline.config import load_config
 from pipeline.gguf_tokenizer import PROBE
-from pipeline.models import PACKAGED_MODELS, load_model
+from pipeline.model_specs import PACKAGED_MODELS
+from pipeline.models import load_model
 from pipeline.runner import run
 from pipeline.store import Store
 

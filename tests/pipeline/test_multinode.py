@@ -128,7 +128,7 @@ def test_the_nightly_job_on_three_nodes_writes_every_shard_and_cache_once_to_s3(
     assert main(["query", "SELECT rule, passed FROM verdicts WHERE run_id = 'nightly-3n'", "--archive", archive]) == 0
     assert "| fidelity-kivi2 | True" in capsys.readouterr().out
     assert main(["gate", "nightly-3n", "--rules", str(REPO_ROOT / "configs/gates/ci.yaml"), "--archive", archive]) == 0
-    assert "gate PASSED for nightly-3n" in capsys.readouterr().out
+    assert "on nightly-3n: PASSED" in capsys.readouterr().out
     assert (tmp_path / "reports/nightly-3n/report.md").is_file()
 
 
