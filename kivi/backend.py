@@ -1,14 +1,20 @@
 """The one seam between the caches and the kernels: every call a cache makes into kivi/kernels/ passes here.
 
-The Triton kernels serve CUDA tensors; the PyTorch oracle (kivi.quant, kivi.attention) serves the rest and
-every shape the kernels do not take (``unsupported``). Both read and write the layout of kivi.quant, so a
-cache holds the same codes whichever served it.
+The kernels serve CUDA tensors; the PyTorch oracle (kivi.quant, kivi.attention) serves the rest and every shape
+the kernels do not take (``unsupported``). KIVI decode attention runs on the CUDA C++ kernel where it serves the
+layer (``kivi.kernels.cuda_decode``: fp16, 2 or 4 bits, head sizes 128 and 256, up to 8 query heads per KV head),
+else on the Triton kernel. All read and write the layout of kivi.quant, so a cache holds the same codes whichever
+served it.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
+from kivi.kernels import cuda_decode
 from kivi.kernels import decode_attention as kivi_decode
 from kivi.kernels import dense_decode
 from kivi.kernels import quantize as fused_quantize
@@ -17,8 +23,7 @@ from kivi.config import KiviConfig, StreamConfig
 from kivi.quant import GROUP_DIM, Quantized, StreamBuffers
 from kivi.quant import quantize as quantize_oracle
 
-unsupported = kivi_decode.unsupported  # (config, query shape) -> why the fused decode cannot serve, or None
-decode_splits = kivi_decode.default_num_splits
+unsupported = kivi_decode.unsupported  # (config, query shape) -> why no fused decode can serve, or None
 dense_splits = dense_decode.default_num_splits
 dense_attention = dense_decode.dense_decode_attention
 oracle_attention = attention_over_cache
@@ -44,11 +49,39 @@ def quantize(x: torch.Tensor, stream: StreamConfig) -> Quantized:
 
 
 def decode(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, counts: torch.Tensor, config: KiviConfig,
-           scaling: float, num_splits: int, out: torch.Tensor | None = None, v_ring: bool = False,
-           softcap: float | None = None) -> torch.Tensor:
-    """The fused decode attention over one layer's buffers (see ``kivi.kernels.decode_attention.decode_attention``)."""
-    return kivi_decode.decode_attention(query, keys, values, counts, config, scaling, num_splits, out, v_ring=v_ring,
-                                        softcap=softcap)
+           scaling: float, max_tokens: int, out: torch.Tensor | None = None, v_ring: bool = False,
+           softcap: float | None = None, num_splits: int | None = None, kernel: str = "auto") -> torch.Tensor:
+    """The fused decode attention over one layer's buffers (see ``kivi.kernels.decode_attention.decode_attention``):
+    ``kernel`` "auto" takes the CUDA kernel where it serves the layer and was measured faster
+    (``cuda_decode.faster_than_triton``), else Triton's; "triton" or "cuda" ask for one. ``num_splits`` None: the
+    serving kernel's choice for sequences of up to ``max_tokens`` tokens."""
+    batch, kv_heads = keys.resid.shape[:2]
+    if kernel not in ("auto", "triton", "cuda"):
+        raise ValueError(f"decode: kernel must be 'auto', 'triton' or 'cuda', got {kernel!r}")
+    if kernel == "cuda" or (kernel == "auto" and serves_cuda(config, query, kv_heads, keys.resid.dtype)
+                            and cuda_decode.faster_than_triton(config, query.shape[1], kv_heads, max_tokens)):
+        module, default = cuda_decode, lambda: cuda_decode.default_num_splits(batch, kv_heads, max_tokens, query.device)
+    else:
+        module, default = kivi_decode, lambda: kivi_decode.default_num_splits(batch, kv_heads, max_tokens, config,
+                                                                              query.device)
+    return module.decode_attention(query, keys, values, counts, config, scaling, num_splits or default(), out,
+                                   v_ring=v_ring, softcap=softcap)
+
+
+def serves_cuda(config: KiviConfig, query: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> bool:
+    """Whether the CUDA kernel serves this layer's decode (builds it at the first question on a device; where it
+    cannot be built, warns once and the Triton kernel serves)."""
+    if not query.is_cuda or cuda_decode.unsupported(config, tuple(query.shape), kv_heads, dtype):
+        return False
+    if reason := cuda_decode.unavailable(query.device):
+        _warn_once(f"KIVI decode attention runs on the Triton kernel: the CUDA kernel is unavailable ({reason})")
+        return False
+    return True
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def flush(key_resid: torch.Tensor, value_ring: torch.Tensor, keys: Quantized, values: Quantized,
@@ -59,9 +92,10 @@ def flush(key_resid: torch.Tensor, value_ring: torch.Tensor, keys: Quantized, va
 
 def decode_attention(query: torch.Tensor, key_stream, value_stream, scaling: float, num_splits: int | None = None,
                      out: torch.Tensor | None = None, config: KiviConfig | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, kernel: str = "auto") -> torch.Tensor:
     """The fused decode attention of query [B, Hq, 1, D] over everything two ``kivi.stream.KVStream``s hold.
-    Returns [B, Hq, 1, D]. ``config``: the layer's, which the streams' configs give when omitted."""
+    Returns [B, Hq, 1, D]. ``config``: the layer's, which the streams' configs give when omitted; ``kernel``: as
+    ``decode``'s."""
     config = config or KiviConfig.from_streams(key_stream.config, value_stream.config)
     if reason := unsupported(config, query.shape):
         raise ValueError(f"decode_attention: {reason}")
@@ -72,8 +106,5 @@ def decode_attention(query: torch.Tensor, key_stream, value_stream, scaling: flo
         raise ValueError(f"decode_attention: quantized key counts {key_stream.n_quant} must be multiples of group_size={g}")
     after_sink = [q + r for q, r in zip(key_stream.n_quant, key_stream.n_resid)]
     counts = torch.tensor([key_stream.n_sink, key_stream.n_quant, value_stream.n_quant, after_sink], dtype=torch.int32)
-    if num_splits is None:
-        batch, kv_heads = key_stream.resid.shape[:2]
-        num_splits = decode_splits(batch, kv_heads, max(after_sink), config, query.device)
-    return decode(query, key_stream.buffers, value_stream.buffers, counts.to(query.device), config, scaling, num_splits, out,
-                  softcap=softcap)
+    return decode(query, key_stream.buffers, value_stream.buffers, counts.to(query.device), config, scaling,
+                  max(after_sink), out, softcap=softcap, num_splits=num_splits, kernel=kernel)

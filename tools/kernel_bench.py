@@ -1,14 +1,15 @@
 """Kernel benchmark: ``python -m tools.kernel_bench [--json PATH] [--sweep]``.
 
-Decode attention for one new token per sequence, fp16 SDPA against the fused KIVI-2 and KIVI-4 kernels (and
-the static engine's fp16 kernel, ``dense ms``), at batch B and context S, for the Llama-2-7B attention shape
+Decode attention for one new token per sequence, fp16 SDPA against the fused KIVI-2 and KIVI-4 kernels, Triton's
+and the CUDA C++ one (and the static engine's fp16 kernel, ``dense ms``), at batch B and context S, for the Llama-2-7B attention shape
 (32 heads, head_dim 128, MHA) and a GQA shape (32 query / 8 KV heads) at long contexts, then short contexts at large
 batches (``SHORT``: the nightly model's Qwen2.5-1.5B shape, 12 query / 2 KV heads, at B = 64 and 256, S = 1,024;
 the ShareGPT sweep's regime, Llama-2-7B at B = 256 and 512, S = 640 and 1,024); and quantize + pack. Every time is the
 median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``) over input sets rotated through more than
 4x the L2 cache: GPU time as the decode engine's captured step sees it, without the host's launch overhead
 (which bounds small cases launched eagerly). Effective bandwidth = bytes that must be read and written / time,
-as % of a device-to-device copy measured in the same run. ``--sweep`` times launch variants instead.
+as % of a device-to-device copy measured in the same run. ``--sweep`` times the CUDA kernel's launch variants
+instead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from kivi.kernels import dense_decode
+from kivi.kernels import cuda_decode, dense_decode
 from kivi.kernels.decode_attention import decode_attention, default_num_splits
 from kivi.kernels.quantize import quantize, quantize_into
 from kivi.config import KiviConfig
@@ -120,20 +121,37 @@ def time_dense(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) ->
 
 def time_kivi(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bits: int, per_sm: int = 32,
               num_stages: int | None = None) -> tuple[float, int, int]:
-    """(median ms, bytes, splits) of the fused kernel."""
+    """(median ms, bytes, splits) of the fused Triton kernel."""
     batch, kv_heads, tokens, dim = keys.shape
     config = kivi_config(bits)
-    args = kivi_args(keys, values, config)
     splits = default_num_splits(batch, kv_heads, tokens, config, query.device, per_sm)
+    call = lambda q, k, v, counts: decode_attention(q, k, v, counts, config, dim**-0.5, splits,  # noqa: E731
+                                                    num_stages=num_stages)
+    return (*time_kivi_call(query, keys, values, config, call), splits)
+
+
+def time_cuda(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bits: int,
+              blocks_per_sm: int = 8) -> tuple[float, int, int]:
+    """(median ms, bytes, splits) of the CUDA kernel."""
+    batch, kv_heads, tokens, dim = keys.shape
+    config = kivi_config(bits)
+    splits = cuda_decode.default_num_splits(batch, kv_heads, tokens, query.device, blocks_per_sm)
+    call = lambda q, k, v, counts: cuda_decode.decode_attention(q, k, v, counts, config, dim**-0.5, splits)  # noqa: E731
+    return (*time_kivi_call(query, keys, values, config, call), splits)
+
+
+def time_kivi_call(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, config: KiviConfig, call) -> tuple[float, int]:
+    """(median ms, bytes) of ``call(query, key buffers, value buffers, counts)`` over rotated copies of the buffers."""
+    args = kivi_args(keys, values, config)
     nbytes = kivi_bytes(args, query)
 
     def make(copy: bool):
         (k, v, counts) = args
         if copy:
             k, v = (StreamBuffers(b.sink, Quantized(*(t.clone() for t in b.packed)), b.resid.clone()) for b in (k, v))
-        return lambda: decode_attention(query, k, v, counts, config, dim**-0.5, splits, num_stages=num_stages)
+        return lambda: call(query, k, v, counts)
 
-    return median_ms(rotated(make, nbytes)), nbytes, splits
+    return median_ms(rotated(make, nbytes)), nbytes
 
 
 def decode_inputs(case: DecodeCase, gen: torch.Generator):
@@ -154,6 +172,8 @@ def time_decode(case: DecodeCase, gen: torch.Generator) -> dict:
     row["dense_ms"] = time_dense(query, keys, values)
     for bits in (2, 4):
         row[f"kivi{bits}_ms"], row[f"kivi{bits}_bytes"], row[f"kivi{bits}_splits"] = time_kivi(query, keys, values, bits)
+        if not cuda_decode.unsupported(kivi_config(bits), tuple(query.shape), keys.shape[1], query.dtype):
+            row[f"cuda{bits}_ms"], _, row[f"cuda{bits}_splits"] = time_cuda(query, keys, values, bits)
     return row
 
 
@@ -175,25 +195,28 @@ def fits(case: DecodeCase) -> bool:
     return 2 * case.batch * kv_heads * case.tokens * dim * 2 <= 70e9
 
 
+SWEEP = (("llama2-7b", 8, 32768), ("gqa-32/8", 8, 32768), ("llama2-7b", 512, 640), ("qwen2.5-1.5b", 64, 1024),
+         ("qwen2.5-1.5b", 256, 1024))
+
+
 def sweep(gen: torch.Generator) -> list[dict]:
-    """KIVI-2 time per launch variant (pipeline stages, one-warp programs per SM) at a few sizes; the log gets
-    every row, the screen the best per size."""
+    """CUDA KIVI-2 time per launch variant (blocks per SM, which set the split count) at the regimes of the
+    targets; the log gets every row, the screen the best per size."""
     rows = []
-    for case in (DecodeCase("llama2-7b", 8, 32768), DecodeCase("gqa-32/8", 8, 32768), DecodeCase("llama2-7b", 8, 4096),
-                 DecodeCase("gqa-32/8", 8, 4096), DecodeCase("llama2-7b", 1, 32768), DecodeCase("llama2-7b", 32, 16384)):
+    for case in (DecodeCase(*c) for c in SWEEP):
         query, keys, values = decode_inputs(case, gen)
         sdpa_ms, _ = time_sdpa(query, keys, values)
-        for stages, per_sm in itertools.product((1, 2, 3), (8, 16, 32, 64)):
-            ms, _, splits = time_kivi(query, keys, values, 2, per_sm, stages)
-            rows.append({"shape": case.shape, "batch": case.batch, "tokens": case.tokens, "sdpa_ms": sdpa_ms, "kivi2_ms": ms,
-                         "num_stages": stages, "per_sm": per_sm, "splits": splits})
-            print(f"  stages={stages} per_sm={per_sm} splits={splits}: {ms:.4f} ms", flush=True)
-        best = min((r for r in rows if r["shape"] == case.shape and r["batch"] == case.batch and r["tokens"] == case.tokens),
-                   key=lambda r: r["kivi2_ms"])
-        print(f"sweep best {case.shape} B={case.batch} S={case.tokens}: stages={best['num_stages']} "
-              f"per_sm={best['per_sm']} splits={best['splits']}: kivi2 {best['kivi2_ms']:.4f} ms, sdpa {sdpa_ms:.4f} ms, "
-              f"x{sdpa_ms / best['kivi2_ms']:.2f}", flush=True)
+        for blocks in (2, 4, 8, 16, 32):
+            ms, _, splits = time_cuda(query, keys, values, 2, blocks)
+            rows.append({"shape": case.shape, "batch": case.batch, "tokens": case.tokens, "sdpa_ms": sdpa_ms, "cuda2_ms": ms,
+                         "blocks_per_sm": blocks, "splits": splits})
+            print(f"  blocks/SM={blocks} splits={splits}: {ms:.4f} ms", flush=True)
+        best = min(rows[-5:], key=lambda r: r["cuda2_ms"])
+        print(f"sweep best {case.shape} B={case.batch} S={case.tokens}: blocks/SM={best['blocks_per_sm']} "
+              f"splits={best['splits']}: cuda2 {best['cuda2_ms']:.4f} ms, sdpa {sdpa_ms:.4f} ms, "
+              f"x{sdpa_ms / best['cuda2_ms']:.2f}", flush=True)
         del query, keys, values
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -201,7 +224,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="kernels_bench.json")
     parser.add_argument("--sweep", action="store_true", help="time launch variants at a few sizes instead")
-    parser.add_argument("--only", metavar="SHAPE:B:S", help="time one decode case, e.g. llama2-7b:8:32768")
+    parser.add_argument("--only", metavar="SHAPE:B:S[,...]", help="time these decode cases, e.g. llama2-7b:8:32768")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "git": git_sha(),
@@ -215,8 +238,7 @@ def main() -> None:
     rows = []
     cases = [*itertools.product(("llama2-7b", "gqa-32/8"), BATCHES, CONTEXTS), *SHORT]
     if args.only:
-        shape, batch, tokens = args.only.split(":")
-        cases = [(shape, int(batch), int(tokens))]
+        cases = [(shape, int(batch), int(tokens)) for shape, batch, tokens in (c.split(":") for c in args.only.split(","))]
     for shape, batch, tokens in cases:
         case = DecodeCase(shape, batch, tokens)
         if fits(case):
@@ -230,14 +252,17 @@ def main() -> None:
 
 def print_tables(meta: dict, rows: list[dict], quant: list[dict], copy_bw: float) -> None:
     pct = lambda nbytes, ms: 100 * nbytes / (ms * 1e-3) / copy_bw  # noqa: E731
+    ratio = lambda r, key: f"{r['sdpa_ms'] / r[key]:7.2f}x" if key in r else f"{'-':>8}"  # noqa: E731
+    ms = lambda r, key: f"{r[key]:9.4f}" if key in r else f"{'-':>9}"  # noqa: E731
     print(f"{meta['device']}, copy {copy_bw / 1e12:.2f} TB/s (read + write), torch {meta['torch']}, triton {meta['triton']}, "
-          f"G={GROUP} R={RESIDUAL}; bandwidth columns: % of copy")
-    print(f"{'shape':10} {'B':>3} {'S':>6} {'splits':>6} {'sdpa ms':>9} {'kivi2 ms':>9} {'kivi4 ms':>9} {'x kivi2':>8} {'x kivi4':>8} "
-          f"{'bw sdpa':>8} {'bw kivi2':>8} {'bw kivi4':>8} {'dense ms':>9}")
+          f"G={GROUP} R={RESIDUAL}; x: SDPA / kernel; bw: % of copy")
+    print(f"{'shape':12} {'B':>3} {'S':>6} {'sdpa ms':>9} {'dense ms':>9} {'triton2':>9} {'cuda2':>9} {'x triton2':>9} "
+          f"{'x cuda2':>8} {'bw cuda2':>8} {'triton4':>9} {'cuda4':>9} {'x triton4':>9} {'x cuda4':>8} splits")
     for r in rows:
-        print(f"{r['shape']:10} {r['batch']:3d} {r['tokens']:6d} {r['kivi2_splits']:6d} {r['sdpa_ms']:9.4f} {r['kivi2_ms']:9.4f} "
-              f"{r['kivi4_ms']:9.4f} {r['sdpa_ms'] / r['kivi2_ms']:8.2f} {r['sdpa_ms'] / r['kivi4_ms']:8.2f} "
-              f"{pct(r['sdpa_bytes'], r['sdpa_ms']):7.1f}% {pct(r['kivi2_bytes'], r['kivi2_ms']):7.1f}% {pct(r['kivi4_bytes'], r['kivi4_ms']):7.1f}% {r['dense_ms']:9.4f}")
+        bw = f"{pct(r['kivi2_bytes'], r['cuda2_ms']):7.1f}%" if "cuda2_ms" in r else f"{'-':>8}"
+        print(f"{r['shape']:12} {r['batch']:3d} {r['tokens']:6d} {r['sdpa_ms']:9.4f} {r['dense_ms']:9.4f} {ms(r, 'kivi2_ms')} "
+              f"{ms(r, 'cuda2_ms')} {ratio(r, 'kivi2_ms'):>9} {ratio(r, 'cuda2_ms')} {bw} {ms(r, 'kivi4_ms')} "
+              f"{ms(r, 'cuda4_ms')} {ratio(r, 'kivi4_ms'):>9} {ratio(r, 'cuda4_ms')} {r['kivi2_splits']}/{r.get('cuda2_splits', '-')}")
     for q in quant:
         print(f"quantize+pack {q['bits']}-bit axis={q['axis']:7} {q['shape']}: {q['ms']:.4f} ms, {q['copy_pct']:.1f}% of copy")
 

@@ -18,7 +18,7 @@ import torch
 
 from transformers import MistralConfig
 
-from kivi.backend import decode_attention
+from kivi.backend import decode_attention, serves_cuda
 from kivi.kernels.quantize import quantize
 from kivi.config import KiviConfig
 from kivi.slot_cache import SlotCache
@@ -47,11 +47,24 @@ def check_quantize(rows: list[dict], gen: torch.Generator) -> None:
                 })
 
 
-def decode_row(name: str, query, ks, vs, softcap: float | None = None, **kwargs) -> dict:
-    out = torch.full(query.shape, float("nan"), dtype=torch.float32, device="cuda")
-    decode_attention(query, ks, vs, query.shape[-1] ** -0.5, out=out, softcap=softcap, **kwargs)
-    err = relative_error(out, reference_decode(query, ks, vs, query.shape[-1] ** -0.5, softcap))
-    return {"check": "decode", "case": name, "metric": "rel. error", "value": err, "ok": err <= TOLERANCE}
+def decode_rows(rows: list[dict], name: str, query, ks, vs, softcap: float | None = None, **kwargs) -> None:
+    """The Triton kernel against the oracle and, where it serves the case, the CUDA kernel against the oracle and
+    against the Triton kernel (the path the CPU tests run in the interpreter)."""
+    scaling = query.shape[-1] ** -0.5
+    ref = reference_decode(query, ks, vs, scaling, softcap)
+    outs = {}
+    for kernel in ("triton", "cuda"):
+        if kernel == "cuda" and not serves_cuda(KiviConfig.from_streams(ks.config, vs.config), query, ks.resid.shape[1],
+                                                ks.resid.dtype):
+            break
+        outs[kernel] = torch.full(query.shape, float("nan"), dtype=torch.float32, device="cuda")
+        decode_attention(query, ks, vs, scaling, out=outs[kernel], softcap=softcap, kernel=kernel, **kwargs)
+        err = relative_error(outs[kernel], ref)
+        rows.append({"check": "decode" if kernel == "triton" else "cuda", "case": name, "metric": "rel. error",
+                     "value": err, "ok": err <= TOLERANCE})
+    if "cuda" in outs:
+        diff = relative_error(outs["cuda"], outs["triton"])
+        rows.append({"check": "cuda", "case": name, "metric": "rel. diff. Triton", "value": diff, "ok": diff <= TOLERANCE})
 
 
 def check_decode_random(rows: list[dict], gen: torch.Generator) -> None:
@@ -68,16 +81,16 @@ def check_decode_random(rows: list[dict], gen: torch.Generator) -> None:
             query = torch.randn(len(lengths), q_heads, 1, dim, generator=gen, device="cuda").to(dtype)
             streams = {name: fill_streams(keys, values, lengths, cfg) for name, cfg in configs.items()}
             for cfg_name, (ks, vs) in streams.items():
-                rows.append(decode_row(f"{shape} {dtype_name} {cfg_name} L={lengths}", query, ks, vs))
-            rows.append(decode_row(f"{shape} {dtype_name} kivi-2 one split", query, *streams["kivi-2"], num_splits=1))
+                decode_rows(rows, f"{shape} {dtype_name} {cfg_name} L={lengths}", query, ks, vs)
+            decode_rows(rows, f"{shape} {dtype_name} kivi-2 one split", query, *streams["kivi-2"], num_splits=1)
     # The layouts of current small models: one KV head, head_dim 256, and soft-capped logits (fp16: one build each).
     for (q_heads, kv_heads, dim), shape in (((12, 2, 128), "GQA 12/2x128 (Qwen2.5-1.5B)"),
                                             ((4, 1, 256), "MQA 4/1x256 (Gemma 3 1B)"), ((8, 4, 256), "GQA 8/4x256 (Gemma 2 2B)")):
         keys, values = outlier_kv(len(lengths), kv_heads, max(lengths), dim, torch.float16, "cuda", gen)
         query = torch.randn(len(lengths), q_heads, 1, dim, generator=gen, device="cuda").half()
         ks, vs = fill_streams(keys, values, lengths, configs["kivi-2"])
-        rows.append(decode_row(f"{shape} fp16 kivi-2 L={lengths}", query, ks, vs))
-        rows.append(decode_row(f"{shape} fp16 kivi-2 soft-capped at 8", query, ks, vs, softcap=8.0))
+        decode_rows(rows, f"{shape} fp16 kivi-2 L={lengths}", query, ks, vs)
+        decode_rows(rows, f"{shape} fp16 kivi-2 soft-capped at 8", query, ks, vs, softcap=8.0)
 
 
 def check_slot_steps(rows: list[dict], gen: torch.Generator) -> None:
@@ -116,7 +129,10 @@ def check_decode_real(rows: list[dict]) -> None:
         query = torch.stack([queries[b, :, n - 1 - first] for b, n in enumerate(lengths)]).unsqueeze(2)
         for cfg_name in ("kivi-2", "kivi-4", "kivi-2-r32"):
             ks, vs = fill_streams(keys, values, lengths, KiviConfig.from_name(cfg_name))
-            rows.append(decode_row(f"SmolLM2 layers {data['layers']} {dtype_name} {cfg_name}", query, ks, vs))
+            decode_rows(rows, f"SmolLM2 layers {data['layers']} {dtype_name} {cfg_name}", query, ks, vs)
+            padded = [torch.nn.functional.pad(x, (0, 64)) for x in (keys, values, query)]  # zero channels: the same attention
+            pks, pvs = fill_streams(*padded[:2], lengths, KiviConfig.from_name(cfg_name))
+            decode_rows(rows, f"SmolLM2 layers {data['layers']} {dtype_name} {cfg_name} padded to 128", padded[2], pks, pvs)
 
 
 class _Printed(list):

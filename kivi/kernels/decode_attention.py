@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from kivi.kernels._triton import LOG2E, log2_cap, merge_splits, soft_cap, split_count, split_targets, store_split
+from kivi.kernels.buffers import check_decode_buffers
 from kivi.config import KiviConfig
 from kivi.quant import StreamBuffers, codes_per_word
 
@@ -432,33 +433,13 @@ def decode_attention(
 
     Per sequence, n_quant keys must be a multiple of the group size (keys flush in whole groups).
     """
-    k_bits, v_bits, group_size = config.k_bits, config.v_bits, config.group_size
-    batch, q_heads, q_len, dim = query.shape
-    kv_heads = keys.resid.shape[1]
-    dtype = keys.resid.dtype
     if reason := unsupported(config, query.shape):
         raise ValueError(f"decode_attention: {reason}")
-    if q_heads % kv_heads:
-        raise ValueError(f"decode_attention: query must be [B, Hq, 1, D] with Hq % Hkv == 0, got {tuple(query.shape)}, Hkv={kv_heads}")
-    cpw_k, cpw_v, vg = codes_per_word(k_bits), codes_per_word(v_bits), dim // group_size
+    check_decode_buffers(query, keys, values, counts, config)
+    k_bits, v_bits, group_size = config.k_bits, config.v_bits, config.group_size
+    batch, q_heads, _, dim = query.shape
+    kv_heads = keys.resid.shape[1]
     k_groups, v_tokens, sinks = keys.packed.scale.shape[2], values.packed.codes.shape[2], keys.sink.shape[2]
-    expected = {
-        "keys.sink": (keys.sink, (batch, kv_heads, sinks, dim), dtype),
-        "values.sink": (values.sink, (batch, kv_heads, sinks, dim), dtype),
-        "keys.codes": (keys.packed.codes, (batch, kv_heads, k_groups * group_size // cpw_k, dim), torch.int32),
-        "keys.scale": (keys.packed.scale, (batch, kv_heads, k_groups, dim), dtype),
-        "keys.zero": (keys.packed.zero, (batch, kv_heads, k_groups, dim), dtype),
-        "keys.resid": (keys.resid, (batch, kv_heads, keys.resid.shape[2], dim), dtype),
-        "values.codes": (values.packed.codes, (batch, kv_heads, v_tokens, dim // cpw_v), torch.int32),
-        "values.scale": (values.packed.scale, (batch, kv_heads, v_tokens, vg), dtype),
-        "values.zero": (values.packed.zero, (batch, kv_heads, v_tokens, vg), dtype),
-        "values.resid": (values.resid, (batch, kv_heads, values.resid.shape[2], dim), dtype),
-        "counts": (counts, (4, batch), torch.int32),
-    }
-    for name, (t, shape, want) in expected.items():
-        if tuple(t.shape) != shape or t.dtype != want or not t.is_contiguous() or t.device != query.device:
-            raise ValueError(f"decode_attention: {name} must be a contiguous {want} tensor of shape {shape} on "
-                             f"{query.device}, got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()} on {t.device}")
     if query.stride(-1) != 1:
         query = query.contiguous()
     if out is None:

@@ -1,0 +1,560 @@
+// Fused KIVI decode attention in CUDA C++: one query token per sequence over a KIVI cache in the layout of
+// kivi/quant.py (keys grouped along tokens, values along channels, int32 words, fp16 scales and zeros), one
+// softmax over quantized and full-precision tokens. The GPU fast path of kivi/kernels/cuda_decode.py; the Triton
+// kernel of kivi/kernels/decode_attention.py computes the same function and serves every case this one refuses.
+//
+// Work: a block of 4 warps per (sequence, KV head, split); each warp takes units of 2 key groups (64 tokens) in
+// turn, keeps its own online softmax, and the block merges its warps at the end (splits > 1: partial results and
+// log-sum-exps, merged by kivi.kernels._triton.merge_splits).
+//
+// Products on the tensor cores (mma m16n8k16, fp16 operands, fp32 accumulators), all query heads of a KV head
+// (up to 8) in one product's N columns:
+// - keys, S^T = K Q^T: rows are the 32 tokens of one key group (two products of 16), so one scale per channel
+//   serves the whole product. The codes are the left operand, exact small integers; the right operand is
+//   q * s (per channel) split into two fp16 parts, hi and lo, in columns (head, part): near-fp32 logits (rounding
+//   q * s alone to fp16 errs by 2e-3 on keys with outlier channels). The zero term q . z joins the same
+//   accumulators as a product of a matrix of ones with (q * z) hi/lo. Full-precision keys are the left operand
+//   as stored, against q (exact) in the hi columns.
+//   Row r of a group's product jj is word row RPG * group + r % RPG, code r / RPG + (8 / RPG) * jj (r < 8), and
+//   the code HALF later for r + 8: rows r and r + 8, which one thread holds, are the two 16-bit halves of one
+//   word, so a byte permute of two words (two channels) and one shift give the operand pair.
+// - values, O^T = V^T P^T: rows are 16 channels (code i and i + HALF of 8 words), columns the heads, K the 16
+//   tokens of one key product, in its row order, so the probabilities move from the key products' accumulators
+//   to the value products' right operand by two shuffles. Values are dequantized into the left operand
+//   (code * s + z, one fp16 rounding: 1.4e-4 relative, measured on outlier data).
+// The query and the key products work in raw units (q . k); qk_scale (with log2 e) is applied in fp32 after.
+#include "warp.cuh"
+
+#ifndef KIVI_EMULATE
+#include <cuda_runtime.h>
+#endif
+
+#include <cfloat>
+
+// Mirrored by kivi/kernels/cuda_decode.py (_Args): same fields, same order.
+struct Args {
+  const uint16_t* q;  // [B, Hq, D] fp16, strides stride_qb, stride_qh, 1
+  void* out;          // splits == 1: [B, Hq, D] fp16 or fp32 (out_f32), strides stride_ob, stride_oh, 1
+  float* part;        // splits > 1: fp32 [B, Hq, splits, D], each split normalized by its own sum
+  float* lse;         // splits > 1: fp32 [B, Hq, splits], log2 of each split's sum of 2^logits (-inf: no token)
+  const uint32_t* kc;  // [B, Hkv, kc_rows, D] key codes (tokens w * cpw .. of channel d in word (w, d))
+  const uint16_t* ks;  // [B, Hkv, ks_rows, D] key scales, one per (group of 32 tokens, channel)
+  const uint16_t* kz;
+  const uint16_t* kr;  // [B, Hkv, kr_rows, D] key residual: position n_qk + i at row i
+  const uint32_t* vc;  // [B, Hkv, vc_rows, D / cpw] value codes (channels w * cpw .. of token t in word (t, w))
+  const uint16_t* vs;  // [B, Hkv, vc_rows, D / 32] value scales, one per (token, group of 32 channels)
+  const uint16_t* vz;
+  const uint16_t* vr;  // [B, Hkv, vr_rows, D] value residual: position n_qv + i at row i, or (ring) at row p % vr_rows
+  const int32_t* counts;  // int32 [4, B]: sinks (0), quantized keys, quantized values, tokens
+  int batch, kv_heads, q_heads, splits;
+  float qk_scale;  // softmax scale * log2(e)
+  float cap;       // soft-capping threshold in log2 units; 0: none
+  int64_t stride_qb, stride_qh, stride_ob, stride_oh;
+  int kc_rows, ks_rows, kr_rows, vc_rows, vr_rows;
+  int ring, out_f32;
+};
+
+namespace {
+
+constexpr int kGroup = 32;       // tokens of a key group, channels of a value group
+constexpr int kWarps = 4;        // warps per block
+constexpr int kUnitGroups = 2;   // key groups a warp takes at a time (one softmax update)
+constexpr uint32_t kMagic = 0x64006400u;  // half2 (1024, 1024): a code OR'd into the mantissa reads 1024 + code
+constexpr uint32_t kOnes = 0x3C003C00u;   // half2 (1, 1)
+constexpr uint32_t kSign = 0x80008000u;
+
+#ifdef KIVI_EMULATE
+struct uint2 {
+  uint32_t x, y;
+};
+struct uint4 {
+  uint32_t x, y, z, w;
+};
+#endif
+
+template <class T>
+KIVI_DEVICE T load(const void* p) {
+  return *reinterpret_cast<const T*>(p);
+}
+
+template <int BITS, int D, int NT>  // code bits (keys and values), head size, key products' column tiles (heads / 4)
+struct Decode {
+  static constexpr int kCpw = 32 / BITS;                // codes per word
+  static constexpr int kHalf = kCpw / 2;                // codes per 16-bit half of a word
+  static constexpr int kRowsPerGroup = kGroup / kCpw;   // key word rows per key group
+  static constexpr int kSteps = D / 16;                 // K steps of a key product
+  static constexpr int kValueWords = D / kCpw;          // value words per token
+  static constexpr int kWordBlocks = kValueWords / 8;   // blocks of 8 value words: one per lane group
+  static constexpr int kValueTiles = D / 16;            // value products (16 channels each)
+  static constexpr int kValueGroups = D / kGroup;
+  static constexpr int kUnitTokens = kUnitGroups * kGroup;
+  static constexpr uint32_t kCodeMask = ((1u << BITS) - 1) * 0x10001u;
+  static_assert(kWordBlocks >= 1 && kWordBlocks * kHalf == kValueTiles, "a head size the lanes tile exactly");
+
+  // One unit's quantized data in shared memory, laid out as in global memory: each warp copies the next unit's
+  // (cp.async) while it computes this one, so a unit waits for its loads once, not at every product.
+  struct Stage {
+    uint32_t kc[kUnitGroups * kRowsPerGroup * D];
+    uint16_t ks[kUnitGroups * D], kz[kUnitGroups * D];
+    uint32_t vc[kUnitTokens * kValueWords];
+    uint16_t vs[kUnitTokens * kValueGroups], vz[kUnitTokens * kValueGroups];
+  };
+  // The block's merge of its warps, in the same shared memory once every warp is done.
+  struct Merge {
+    float o[kWarps][8][D], m[kWarps][8], l[kWarps][8];
+  };
+  static constexpr int kSharedBytes = int(sizeof(Stage)) * 2 * kWarps > int(sizeof(Merge))
+                                          ? int(sizeof(Stage)) * 2 * kWarps : int(sizeof(Merge));
+
+  // Token (within the sequence) of row r of key product jj of a group.
+  static KIVI_DEVICE int token(int group, int jj, int r) {
+    const int rr = r & 7;
+    return (kRowsPerGroup * group + rr % kRowsPerGroup) * kCpw + rr / kRowsPerGroup + (8 / kRowsPerGroup) * jj +
+           (r >= 8 ? kHalf : 0);
+  }
+
+  // Codes at bit `shift` of each 16-bit half of x, as an exact fp16 pair.
+  static KIVI_DEVICE uint32_t codes(uint32_t x, int shift) {
+    return hsub2(((x >> shift) & kCodeMask) | kMagic, kMagic);
+  }
+
+  // The second key product's codes sit 8 bits above the first's. 2-bit codes stay there: the mantissa of 1024
+  // holds code * 256 exactly, one shift fewer per pair, and the product's results are scaled back by 1/256.
+  static constexpr bool kLifted = BITS + 8 <= 10;
+  static KIVI_DEVICE uint32_t upper_codes(uint32_t x) {
+    return kLifted ? hsub2((x & (kCodeMask << 8)) | kMagic, kMagic) : codes(x, 8);
+  }
+
+  // fp16 pair (q * s) as its hi or lo part: hi = fp16(q * s), lo = fp16(q * s - hi), exact for fp16 q and s.
+  static KIVI_DEVICE uint32_t part(uint32_t q, uint32_t s, bool lo) {
+    const uint32_t hi = hmul2(q, s);
+    return lo ? hfma2(q, s, hi ^ kSign) : hi;
+  }
+
+  struct Sequence {
+    const uint32_t* kc;
+    const uint16_t *ks, *kz, *kr;
+    const uint32_t* vc;
+    const uint16_t *vs, *vz, *vr;
+    int n_qk, n_qv, n_tok, vc_rows, vr_rows;
+    bool ring;
+  };
+
+  // Start copying unit u's quantized data into `st`: the key groups that are quantized, the values of tokens
+  // below n_qv (16-byte pieces; a piece of tokens that are not quantized, or past the buffer, is not read).
+  static KIVI_DEVICE void stage(const Sequence& s, int u, Stage& st, int lane) {
+#pragma unroll
+    for (int i = 0; i < kUnitGroups; ++i) {
+      const int group = kUnitGroups * u + i;
+      if ((group + 1) * kGroup > s.n_qk) continue;
+      const uint32_t* words = s.kc + int64_t(kRowsPerGroup * group) * D;
+      for (int c = lane; c < kRowsPerGroup * D / 4; c += 32) copy16(st.kc + i * kRowsPerGroup * D + 4 * c, words + 4 * c, 16);
+      for (int c = lane; c < D / 8; c += 32) {
+        copy16(st.ks + i * D + 8 * c, s.ks + int64_t(group) * D + 8 * c, 16);
+        copy16(st.kz + i * D + 8 * c, s.kz + int64_t(group) * D + 8 * c, 16);
+      }
+    }
+    const int first = kUnitTokens * u;
+    if (first >= s.n_qv) return;
+    const int64_t words = int64_t(first) * kValueWords, words_end = int64_t(s.vc_rows) * kValueWords;
+    for (int c = lane; c < kUnitTokens * kValueWords / 4; c += 32) {
+      const bool quantized = first + 4 * c / kValueWords < s.n_qv;
+      copy16(st.vc + 4 * c, s.vc + (quantized ? words + 4 * c : 0), quantized ? piece(words + 4 * c, words_end, 4) : 0);
+    }
+    const int64_t stats = int64_t(first) * kValueGroups, stats_end = int64_t(s.vc_rows) * kValueGroups;
+    for (int c = lane; c < kUnitTokens * kValueGroups / 8; c += 32) {
+      const bool quantized = first + 8 * c / kValueGroups < s.n_qv;
+      const int64_t at = quantized ? stats + 8 * c : 0;
+      const int bytes = quantized ? piece(at, stats_end, 2) : 0;
+      copy16(st.vs + 8 * c, s.vs + at, bytes);
+      copy16(st.vz + 8 * c, s.vz + at, bytes);
+    }
+  }
+
+  // Bytes of the 16-byte piece at element `at` that lie before element `end` (elements of `size` bytes).
+  static KIVI_DEVICE int piece(int64_t at, int64_t end, int size) {
+    const int64_t bytes = (end - at) * size;
+    return bytes >= 16 ? 16 : bytes > 0 ? int(bytes) : 0;
+  }
+
+  // Raw logits q . k of the group's 32 tokens: out[jj][nt][r] for rows g (r = 0) and g + 8 (r = 1) of product jj,
+  // head 4 nt + t, where lane = 4 g + t.
+  static KIVI_DEVICE void group_logits(const Sequence& s, const Stage& st, const uint32_t (&q2)[NT][kSteps][2], int u,
+                                       int i, int g, int t, float (&out)[2][NT][2]) {
+    const bool lo = g & 1;
+    const int group = kUnitGroups * u + i;
+    float acc[2][NT][4] = {};
+    if ((group + 1) * kGroup <= s.n_qk) {  // a quantized key group, staged
+      float zero_acc[NT][4] = {};
+      const uint32_t* words = st.kc + (kRowsPerGroup * i + g % kRowsPerGroup) * D + 4 * t;
+      const uint16_t* scale = st.ks + i * D + 4 * t;
+      const uint16_t* zero = st.kz + i * D + 4 * t;
+      const int shift = BITS * (g / kRowsPerGroup);
+#pragma unroll
+      for (int k = 0; k < kSteps; ++k) {
+        const uint4 w = load<uint4>(words + 16 * k);
+        const uint2 sc = load<uint2>(scale + 16 * k);
+        const uint2 ze = load<uint2>(zero + 16 * k);
+        // rows g (low halves) and g + 8 (high halves) of channels 4t, 4t+1 (pairs 0, 1) and 4t+2, 4t+3 (2, 3)
+        const uint32_t pairs[4] = {prmt(w.x, w.y, 0x5410) >> shift, prmt(w.x, w.y, 0x7632) >> shift,
+                                   prmt(w.z, w.w, 0x5410) >> shift, prmt(w.z, w.w, 0x7632) >> shift};
+        const uint32_t a0[4] = {codes(pairs[0], 0), codes(pairs[1], 0), codes(pairs[2], 0), codes(pairs[3], 0)};
+        const uint32_t a1[4] = {upper_codes(pairs[0]), upper_codes(pairs[1]), upper_codes(pairs[2]),
+                                upper_codes(pairs[3])};
+        const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint32_t bs[2] = {part(q2[nt][k][0], sc.x, lo), part(q2[nt][k][1], sc.y, lo)};
+          const uint32_t bz[2] = {part(q2[nt][k][0], ze.x, lo), part(q2[nt][k][1], ze.y, lo)};
+          mma_16816(zero_acc[nt], ones, bz);
+          mma_16816(acc[0][nt], a0, bs);
+          mma_16816(acc[1][nt], a1, bs);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc[0][nt][i] += zero_acc[nt][i];
+          acc[1][nt][i] = acc[1][nt][i] * (kLifted ? 1.f / 256 : 1.f) + zero_acc[nt][i];
+        }
+    } else {  // full-precision keys: the residual (tokens past n_tok read nothing)
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int t0 = token(group, jj, g), t1 = token(group, jj, g + 8);
+        const uint16_t* k0 = s.kr + int64_t(t0 - s.n_qk) * D + 4 * t;
+        const uint16_t* k1 = s.kr + int64_t(t1 - s.n_qk) * D + 4 * t;
+        uint2 x0[kSteps], x1[kSteps];  // every load first: one wait, not one per product
+#pragma unroll
+        for (int k = 0; k < kSteps; ++k) {
+          x0[k] = t0 < s.n_tok ? load<uint2>(k0 + 16 * k) : uint2{0, 0};
+          x1[k] = t1 < s.n_tok ? load<uint2>(k1 + 16 * k) : uint2{0, 0};
+        }
+#pragma unroll
+        for (int k = 0; k < kSteps; ++k) {
+          const uint32_t a[4] = {x0[k].x, x1[k].x, x0[k].y, x1[k].y};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint32_t bq[2] = {lo ? 0u : q2[nt][k][0], lo ? 0u : q2[nt][k][1]};
+            mma_16816(acc[jj][nt], a, bq);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        out[jj][nt][0] = acc[jj][nt][0] + acc[jj][nt][1];
+        out[jj][nt][1] = acc[jj][nt][2] + acc[jj][nt][3];
+      }
+  }
+
+  // o += V^T P^T over the 16 tokens of key product jj of a group; p: the probabilities of the lane's rows g and
+  // g + 8 for head 4 nt + t, as fp16 pairs.
+  static KIVI_DEVICE void group_values(const Sequence& s, const Stage& st, const uint32_t (&p)[NT], int u, int group,
+                                       int jj, int g, int t, float (&o)[kValueTiles][4]) {
+    // Right operand: P^T rows (tokens) 2t, 2t+1, 2t+8, 2t+9, column g (head g): from the lanes holding those key
+    // rows (4 (2t) + head % 4 and the next group) for head g's column tile.
+    const int src = 8 * t + g % 4;
+    uint32_t pa = 0, pb = 0;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint32_t xa = shfl(p[nt], src), xb = shfl(p[nt], src + 4);
+      if (g / 4 == nt) pa = xa, pb = xb;
+    }
+    const uint32_t bp[2] = {prmt(pa, pb, 0x5410), prmt(pa, pb, 0x7632)};
+
+    // Left operand: the lane's columns are tokens 2t, 2t+1 (a, b) and 2t+8, 2t+9 (c, d) of the product.
+    int tok[4] = {token(group, jj, 2 * t), token(group, jj, 2 * t + 1), token(group, jj, 2 * t + 8),
+                  token(group, jj, 2 * t + 9)};
+    bool quant[4], full[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      quant[e] = tok[e] < s.n_qv;
+      full[e] = !quant[e] && tok[e] < s.n_tok;
+    }
+    const bool any_quant = warp_any(quant[0] || quant[1] || quant[2] || quant[3]);
+    const bool any_full = warp_any(full[0] || full[1] || full[2] || full[3]);
+#pragma unroll
+    for (int wb = 0; wb < kWordBlocks; ++wb) {
+      const int word = 8 * wb + g;  // channels word * cpw .. + cpw - 1
+      uint32_t pairs[4] = {0, 0, 0, 0}, scale[2] = {0, 0}, zero[2] = {0, 0};
+      if (any_quant) {
+        uint32_t w[4], sc[4], ze[4];
+        const int vgroup = word * kCpw / kGroup;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = tok[e] - kUnitTokens * u;
+          w[e] = quant[e] ? st.vc[row * kValueWords + word] : 0u;
+          sc[e] = quant[e] ? st.vs[row * kValueGroups + vgroup] : 0u;
+          ze[e] = quant[e] ? st.vz[row * kValueGroups + vgroup] : 0u;
+        }
+        pairs[0] = prmt(w[0], w[1], 0x5410);
+        pairs[1] = prmt(w[0], w[1], 0x7632);
+        pairs[2] = prmt(w[2], w[3], 0x5410);
+        pairs[3] = prmt(w[2], w[3], 0x7632);
+        scale[0] = sc[0] | (sc[1] << 16);
+        scale[1] = sc[2] | (sc[3] << 16);
+        zero[0] = ze[0] | (ze[1] << 16);
+        zero[1] = ze[2] | (ze[3] << 16);
+      }
+      uint32_t stored[4][kHalf] = {};  // full-precision values: the word's cpw channels of each token, fp16 pairs
+      if (any_full) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (!full[e]) continue;
+          const int row = s.ring ? tok[e] % s.vr_rows : tok[e] - s.n_qv;
+          const uint16_t* v = s.vr + int64_t(row) * D + word * kCpw;
+#pragma unroll
+          for (int i = 0; i < kHalf; i += 4) {
+            const uint4 x = load<uint4>(v + 2 * i);
+            stored[e][i] = x.x, stored[e][i + 1] = x.y, stored[e][i + 2] = x.z, stored[e][i + 3] = x.w;
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kHalf; ++i) {  // value product: channels word * cpw + i (row g), + HALF (row g + 8)
+        uint32_t a[4] = {0, 0, 0, 0};
+        if (any_quant) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a[r] = hfma2(codes(pairs[r], BITS * i), scale[r / 2], zero[r / 2]);
+        }
+        if (any_full) {
+          const int lo = i, hi = i + kHalf;  // channel offsets within the word: element lo and hi of each token
+          const uint32_t sel_lo = lo % 2 ? 0x7632 : 0x5410, sel_hi = hi % 2 ? 0x7632 : 0x5410;
+          a[0] = hadd2(a[0], prmt(stored[0][lo / 2], stored[1][lo / 2], sel_lo));
+          a[1] = hadd2(a[1], prmt(stored[0][hi / 2], stored[1][hi / 2], sel_hi));
+          a[2] = hadd2(a[2], prmt(stored[2][lo / 2], stored[3][lo / 2], sel_lo));
+          a[3] = hadd2(a[3], prmt(stored[2][hi / 2], stored[3][hi / 2], sel_hi));
+        }
+        mma_16816(o[wb * kHalf + i], a, bp);
+      }
+    }
+  }
+
+  static KIVI_DEVICE float soft_cap(float x, float cap) {
+    return cap > 0.f ? cap - 2.f * cap / (1.f + fast_exp2(x * (2.f * 1.4426950408889634f / cap))) : x;
+  }
+
+  static KIVI_DEVICE void run(const Args& a) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+    const int bh = blockIdx.x, split = blockIdx.y;
+    const int b = bh / a.kv_heads, h = bh % a.kv_heads, hg = a.q_heads / a.kv_heads;
+    const int64_t bh64 = bh;
+    Sequence s;
+    s.kc = a.kc + bh64 * a.kc_rows * D;
+    s.ks = a.ks + bh64 * a.ks_rows * D;
+    s.kz = a.kz + bh64 * a.ks_rows * D;
+    s.kr = a.kr + bh64 * a.kr_rows * D;
+    s.vc = a.vc + bh64 * a.vc_rows * kValueWords;
+    s.vs = a.vs + bh64 * a.vc_rows * kValueGroups;
+    s.vz = a.vz + bh64 * a.vc_rows * kValueGroups;
+    s.vr = a.vr + bh64 * a.vr_rows * D;
+    s.n_qk = a.counts[a.batch + b];
+    s.n_qv = a.counts[2 * a.batch + b];
+    s.n_tok = a.counts[3 * a.batch + b];
+    s.vc_rows = a.vc_rows;
+    s.vr_rows = a.vr_rows;
+    s.ring = a.ring;
+
+    // The query as the key products' right operand: lane (g, t) holds column g = (head 4 nt + g / 2, part g % 2)
+    // at channels 16 k + 4 t .. + 3, the k-th product's rows 2t, 2t+1 (pair 0) and 2t+8, 2t+9 (pair 1).
+    uint32_t q2[NT][kSteps][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int head = 4 * nt + g / 2;
+      const uint16_t* row = a.q + b * a.stride_qb + (h * hg + head) * a.stride_qh + 4 * t;
+#pragma unroll
+      for (int k = 0; k < kSteps; ++k) {
+        const uint2 x = head < hg ? load<uint2>(row + 16 * k) : uint2{0, 0};
+        q2[nt][k][0] = x.x, q2[nt][k][1] = x.y;
+      }
+    }
+
+    float m[NT], l[NT], o[kValueTiles][4] = {};  // running max (log2 units) and partial sum of head 4 nt + t
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) m[nt] = -INFINITY, l[nt] = 0.f;
+
+    const int units = (s.n_tok + kUnitGroups * kGroup - 1) / (kUnitGroups * kGroup);
+    const int per_split = (units + a.splits - 1) / a.splits;
+    const int first = split * per_split + warp, last = min(split * per_split + per_split, units);
+    Stage* stages = static_cast<Stage*>(dynamic_shared()) + 2 * warp;
+    if (first < last) stage(s, first, stages[0], lane);
+    copy_commit();
+    for (int u = first, n = 0; u < last; u += kWarps, ++n) {
+      if (u + kWarps < last) stage(s, u + kWarps, stages[(n + 1) & 1], lane);
+      copy_commit();
+      copy_wait<1>();  // unit u's copies have landed (the next unit's may still be in flight)
+      sync_warp();
+      const Stage& st = stages[n & 1];
+      float x[kUnitGroups][2][NT][2];
+#pragma unroll
+      for (int i = 0; i < kUnitGroups; ++i) group_logits(s, st, q2, u, i, g, t, x[i]);
+      float top[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) top[nt] = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < kUnitGroups; ++i)
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const float y = soft_cap(x[i][jj][nt][r] * a.qk_scale, a.cap);
+              x[i][jj][nt][r] = token(kUnitGroups * u + i, jj, g + 8 * r) < s.n_tok ? y : -INFINITY;
+              top[nt] = fmaxf(top[nt], x[i][jj][nt][r]);
+            }
+      float alpha[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        top[nt] = fmaxf(top[nt], shfl_xor(top[nt], 4));
+        top[nt] = fmaxf(top[nt], shfl_xor(top[nt], 8));
+        top[nt] = fmaxf(top[nt], shfl_xor(top[nt], 16));
+        const float m_new = fmaxf(m[nt], top[nt]);
+        alpha[nt] = fast_exp2(m[nt] - m_new);
+        m[nt] = m_new;
+        l[nt] *= alpha[nt];
+      }
+      // The accumulators' columns are heads 2t and 2t + 1: their factors come from lanes t' = head % 4.
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int head = 2 * t + e;
+        float factor = 1.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float y = shfl(alpha[nt], head % 4);
+          if (head / 4 == nt) factor = y;
+        }
+#pragma unroll
+        for (int mi = 0; mi < kValueTiles; ++mi) o[mi][e] *= factor, o[mi][2 + e] *= factor;
+      }
+#pragma unroll
+      for (int i = 0; i < kUnitGroups; ++i)
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          uint32_t p[NT];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const float p0 = fast_exp2(x[i][jj][nt][0] - m[nt]), p1 = fast_exp2(x[i][jj][nt][1] - m[nt]);
+            l[nt] += p0 + p1;
+            p[nt] = pack_half2(p0, p1);
+          }
+          group_values(s, st, p, u, kUnitGroups * u + i, jj, g, t, o);
+        }
+      sync_warp();  // every lane is done with this stage before it is refilled
+    }
+
+    // Merge the block's warps.
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      l[nt] += shfl_xor(l[nt], 4);
+      l[nt] += shfl_xor(l[nt], 8);
+      l[nt] += shfl_xor(l[nt], 16);
+    }
+    copy_wait<0>();
+    sync_block();  // the stages become the merge's memory
+    Merge& merge = *static_cast<Merge*>(dynamic_shared());
+    auto& warp_o = merge.o;
+    auto& warp_m = merge.m;
+    auto& warp_l = merge.l;
+    if (g == 0) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) warp_m[warp][4 * nt + t] = m[nt], warp_l[warp][4 * nt + t] = l[nt];
+    }
+#pragma unroll
+    for (int mi = 0; mi < kValueTiles; ++mi) {
+      const int channel = (8 * (mi / kHalf) + g) * kCpw + mi % kHalf;
+      warp_o[warp][2 * t][channel] = o[mi][0];
+      warp_o[warp][2 * t + 1][channel] = o[mi][1];
+      warp_o[warp][2 * t][channel + kHalf] = o[mi][2];
+      warp_o[warp][2 * t + 1][channel + kHalf] = o[mi][3];
+    }
+    sync_block();
+    for (int i = threadIdx.x; i < hg * D; i += kWarps * 32) {
+      const int head = i / D, c = i % D;
+      float top = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) top = fmaxf(top, warp_m[w][head]);
+      float sum = 0.f, acc = 0.f;
+      if (top != -INFINITY) {
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+          const float f = fast_exp2(warp_m[w][head] - top);
+          sum += f * warp_l[w][head];
+          acc += f * warp_o[w][head][c];
+        }
+      }
+      const int qh = h * hg + head;
+      if (a.splits == 1) {
+        const int64_t at = b * a.stride_ob + qh * a.stride_oh + c;
+        if (a.out_f32)
+          static_cast<float*>(a.out)[at] = acc / sum;
+        else
+          static_cast<uint16_t*>(a.out)[at] = float_to_half(acc / sum);
+      } else {
+        const int64_t row = (int64_t(b) * a.q_heads + qh) * a.splits + split;
+        a.part[row * D + c] = sum > 0.f ? acc / sum : 0.f;
+        if (c == 0) a.lse[row] = sum > 0.f ? top + fast_log2(sum) : -INFINITY;
+      }
+    }
+  }
+};
+
+template <int BITS, int D, int NT>
+__global__ void __launch_bounds__(kWarps * 32) decode_kernel(const Args a) {
+  Decode<BITS, D, NT>::run(a);
+}
+
+template <int BITS, int D, int NT>
+int launch(const Args& a, void* stream) {
+#ifdef KIVI_EMULATE
+  (void)stream;
+  emu::launch({unsigned(a.batch * a.kv_heads), unsigned(a.splits), 1}, {kWarps * 32, 1, 1},
+              [&] { decode_kernel<BITS, D, NT>(a); });
+  return 0;
+#else
+  constexpr int bytes = Decode<BITS, D, NT>::kSharedBytes;
+  static const cudaError_t attribute =
+      cudaFuncSetAttribute(decode_kernel<BITS, D, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (attribute != cudaSuccess) return int(attribute);
+  decode_kernel<BITS, D, NT><<<dim3(a.batch * a.kv_heads, a.splits), kWarps * 32, bytes, cudaStream_t(stream)>>>(a);
+  return int(cudaGetLastError());
+#endif
+}
+
+template <int BITS, int D>
+int launch_heads(const Args& a, void* stream) {
+  const int hg = a.q_heads / a.kv_heads;
+  return hg <= 4 ? launch<BITS, D, 1>(a, stream) : launch<BITS, D, 2>(a, stream);
+}
+
+}  // namespace
+
+extern "C" {
+
+// What the kernel serves: query heads per KV head, code bits (keys = values), head sizes.
+int kivi_decode_max_group_heads() { return 8; }
+int kivi_decode_bits(int bits) { return bits == 2 || bits == 4; }
+int kivi_decode_head_dim(int dim) { return dim == 128 || dim == 256; }
+
+// 0: launched; -1: a shape it does not serve (the caller checks first); else a cudaError_t.
+int kivi_decode(const Args* a, int bits, int head_dim, void* stream) {
+  if (a->q_heads % a->kv_heads || a->q_heads / a->kv_heads > 8) return -1;
+  if (bits == 2 && head_dim == 128) return launch_heads<2, 128>(*a, stream);
+  if (bits == 2 && head_dim == 256) return launch_heads<2, 256>(*a, stream);
+  if (bits == 4 && head_dim == 128) return launch_heads<4, 128>(*a, stream);
+  if (bits == 4 && head_dim == 256) return launch_heads<4, 256>(*a, stream);
+  return -1;
+}
+
+const char* kivi_decode_error(int code) {
+#ifdef KIVI_EMULATE
+  return code ? "emulation error" : "no error";
+#else
+  return cudaGetErrorString(cudaError_t(code));
+#endif
+}
+
+}  // extern "C"

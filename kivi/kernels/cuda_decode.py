@@ -1,0 +1,208 @@
+"""The CUDA C++ decode attention (``csrc/kivi_decode.cu``): the GPU fast path beside the Triton kernel.
+
+Same inputs and outputs as ``kivi.kernels.decode_attention.decode_attention`` (buffers in kivi.quant's layout,
+device counts, split partials merged by the same merge kernel), for the layouts it serves (``unsupported``):
+fp16, 2- or 4-bit keys and values alike, groups of 32, head sizes 128 and 256, up to 8 query heads per KV head,
+no sinks, compute capability 8.0 or newer. Built with nvcc for the device's architecture at first use, cached
+under ``$KIVI_KERNEL_CACHE`` (default ``~/.cache/kivi-eval/kernels``), loaded with ctypes and launched on the
+current stream, so CUDA graphs capture it like any kernel.
+
+``emulate=True`` builds the same source as C++ for the CPU (``csrc/emulate.h``: every thread a fiber, warp
+collectives as rendezvous), which is how the CPU tests run this kernel; ``tools.kernel_check`` compares the
+GPU build with the Triton kernel and the oracle on every run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kivi.config import KiviConfig
+from kivi.kernels._triton import LOG2E, log2_cap, merge_splits, split_targets
+from kivi.kernels.buffers import check_decode_buffers
+from kivi.quant import StreamBuffers
+
+SOURCES = Path(__file__).resolve().parent / "csrc"
+WARPS, UNIT_TOKENS = 4, 64  # warps per block, tokens a warp takes at a time (csrc/kivi_decode.cu)
+MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with fp32 accumulators
+
+
+class _Args(ctypes.Structure):
+    """csrc/kivi_decode.cu's Args: same fields, same order."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("q", "out", "part", "lse", "kc", "ks", "kz", "kr", "vc", "vs", "vz",
+                                                     "vr", "counts")] + \
+        [(name, ctypes.c_int) for name in ("batch", "kv_heads", "q_heads", "splits")] + \
+        [("qk_scale", ctypes.c_float), ("cap", ctypes.c_float)] + \
+        [(name, ctypes.c_int64) for name in ("stride_qb", "stride_qh", "stride_ob", "stride_oh")] + \
+        [(name, ctypes.c_int) for name in ("kc_rows", "ks_rows", "kr_rows", "vc_rows", "vr_rows", "ring", "out_f32")]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KIVI_KERNEL_CACHE", Path.home() / ".cache" / "kivi-eval" / "kernels"))
+
+
+def build_command(output: Path, emulate: bool, arch: str = "90") -> list[str]:
+    """The compiler call for the library: nvcc for compute capability ``arch`` (e.g. "90"), or the host C++
+    compiler for the CPU emulation."""
+    source = str(SOURCES / "kivi_decode.cu")
+    if emulate:
+        compiler = os.environ.get("CXX") or shutil.which("c++") or "g++"
+        return [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-DKIVI_EMULATE", "-Wno-unknown-pragmas", "-x", "c++",
+                source, "-o", str(output)]
+    return [nvcc(), "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+            source, "-o", str(output)]
+
+
+def nvcc() -> str:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    found = shutil.which("nvcc") or str(Path(home) / "bin" / "nvcc")
+    if not Path(found).exists():
+        raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin): the CUDA decode kernel is built with it at first use")
+    return found
+
+
+def _build(emulate: bool, arch: str) -> Path:
+    """Compile once per source, compiler and target; concurrent builders (Ray actors) each write a temporary file
+    and rename it, so every reader sees a whole library."""
+    command = build_command(Path("OUT"), emulate, arch)
+    compiler = subprocess.run([command[0], "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256(" ".join(command).encode() + compiler.encode())
+    for path in sorted(SOURCES.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    target = _cache_dir() / f"kivi_decode-{'cpu' if emulate else 'sm' + arch}-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        done = subprocess.run(build_command(built, emulate, arch), capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"building the CUDA decode kernel failed ({' '.join(build_command(built, emulate, arch))}):\n"
+                               f"{done.stderr[-3000:]}")
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def library(emulate: bool = False, arch: str = "90") -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(_build(emulate, arch)))
+    lib.kivi_decode.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.kivi_decode.restype = ctypes.c_int
+    lib.kivi_decode_error.argtypes = [ctypes.c_int]
+    lib.kivi_decode_error.restype = ctypes.c_char_p
+    return lib
+
+
+@functools.cache
+def _device_library(index: int) -> ctypes.CDLL | str:
+    """The GPU build for device ``index``, or why there is none (the Triton kernel serves then)."""
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) < MIN_CAPABILITY:
+        return f"compute capability {major}.{minor} < {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+    try:
+        return library(False, f"{major}{minor}")
+    except (RuntimeError, OSError) as err:
+        return str(err)
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why no CUDA build serves ``device`` (None when one does); builds it on first call."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    lib = _device_library(device.index if device.index is not None else torch.cuda.current_device())
+    return lib if isinstance(lib, str) else None
+
+
+def unsupported(config: KiviConfig, query_shape: tuple[int, ...], kv_heads: int, dtype: torch.dtype) -> str | None:
+    """Why the CUDA kernel cannot serve a layer of ``config`` for queries of ``query_shape`` [B, Hq, q, D] (None
+    when it can; the device is ``unavailable``'s question)."""
+    q_heads, q_len, dim = query_shape[1], query_shape[2], query_shape[3]
+    if dtype != torch.float16:
+        return f"{dtype} (fp16 only)"
+    if q_len != 1:
+        return f"q_len={q_len} (decode only)"
+    if config.key_axis != "channel" or config.value_axis != "token":
+        return "keys grouped along tokens and values along channels only"
+    if config.k_bits != config.v_bits or config.k_bits not in (2, 4):
+        return f"k_bits={config.k_bits}, v_bits={config.v_bits} (2 or 4 bits, the same for both)"
+    if config.group_size != 32:
+        return f"group_size={config.group_size} (32 only)"
+    if config.sink_tokens:
+        return "sink tokens"
+    if dim not in (128, 256):
+        return f"head_dim={dim} (128 or 256)"
+    if q_heads % kv_heads or q_heads // kv_heads > 8:
+        return f"{q_heads} query heads on {kv_heads} KV heads (at most 8 per KV head)"
+    return None
+
+
+def faster_than_triton(config: KiviConfig, q_heads: int, kv_heads: int, max_tokens: int) -> bool:
+    """Where this kernel beat the Triton kernel on the H200 (BENCHMARKS.md, same runs): grouped heads at every length
+    (Qwen2.5-1.5B's 12 / 2 at S = 1,024: 4x; GQA 32 / 8 at 32K: 1.5x), and 2-bit MHA at short contexts, where the
+    newest tokens (a residual of up to R = 128, the value window) are a large part of each sequence (S = 640 and
+    1,024: 1.1-1.5x). At long contexts the Triton kernel's fast tiles (fewer instructions per quantized token) win
+    for MHA (S = 4K: 0.78x here, 32K: 0.66x), and for 4-bit MHA everywhere measured."""
+    if q_heads > kv_heads:
+        return True
+    return config.k_bits == 2 and max_tokens <= 2048
+
+
+def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device, blocks_per_sm: int = 8) -> int:
+    """Splits per sequence: about ``blocks_per_sm`` blocks per multiprocessor, each warp with at least one unit."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    wanted = -(-blocks_per_sm * sms // (batch * kv_heads))
+    return max(1, min(wanted, -(-max_tokens // (WARPS * UNIT_TOKENS))))
+
+
+def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, counts: torch.Tensor,
+                     config: KiviConfig, scaling: float, num_splits: int, out: torch.Tensor | None = None,
+                     v_ring: bool = False, softcap: float | None = None, emulate: bool = False) -> torch.Tensor:
+    """Decode attention over KIVI buffers (the arguments of the Triton ``decode_attention``). Returns ``out``.
+
+    ``emulate``: run the CPU build on CPU tensors (tests)."""
+    kv_heads = keys.resid.shape[1]
+    if reason := unsupported(config, tuple(query.shape), kv_heads, keys.resid.dtype):
+        raise ValueError(f"cuda decode_attention: {reason}")
+    check_decode_buffers(query, keys, values, counts, config)
+    if query.stride(-1) != 1 or query.stride(0) % 4 or query.stride(1) % 4 or query.data_ptr() % 16:
+        query = query.contiguous()
+    out = torch.empty_like(query) if out is None else out
+    if tuple(out.shape) != tuple(query.shape) or out.stride(-1) != 1 or out.dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"cuda decode_attention: out must be fp16 or fp32 {tuple(query.shape)} with unit stride along D")
+    tensors = (*keys.packed, keys.resid, *values.packed, values.resid)
+    if any(t.data_ptr() % 16 for t in tensors):
+        raise ValueError("cuda decode_attention: cache buffers must be 16-byte aligned")
+    part, lse = split_targets(out, num_splits)
+    batch, q_heads, _, dim = query.shape
+    kq, vq = keys.packed, values.packed
+    args = _Args(
+        query.data_ptr(), out.data_ptr(), part.data_ptr(), lse.data_ptr(),
+        kq.codes.data_ptr(), kq.scale.data_ptr(), kq.zero.data_ptr(), keys.resid.data_ptr(),
+        vq.codes.data_ptr(), vq.scale.data_ptr(), vq.zero.data_ptr(), values.resid.data_ptr(), counts.data_ptr(),
+        batch, kv_heads, q_heads, num_splits, scaling * LOG2E, log2_cap(softcap),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kq.codes.shape[2], kq.scale.shape[2], keys.resid.shape[2], vq.codes.shape[2], values.resid.shape[2],
+        int(v_ring), int(out.dtype == torch.float32))
+    if emulate:
+        lib = library(emulate=True)
+        stream = None
+    else:
+        lib = _device_library(query.device.index)
+        if isinstance(lib, str):
+            raise RuntimeError(f"cuda decode_attention: {lib}")
+        stream = torch.cuda.current_stream(query.device).cuda_stream
+    code = lib.kivi_decode(ctypes.byref(args), config.k_bits, dim, stream)
+    if code:
+        raise RuntimeError(f"cuda decode_attention: launch failed: {lib.kivi_decode_error(code).decode()}")
+    if num_splits > 1:
+        merge_splits(part, lse, out)
+    return out
