@@ -402,7 +402,7 @@ def _versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             versions[package] = "absent"
     digest = hashlib.sha256()
-    for source in sorted(KERNELS_DIR.glob("*.py")):
+    for source in sorted([*KERNELS_DIR.glob("*.py"), *KERNELS_DIR.glob("csrc/*")]):  # Triton's and the CUDA source
         digest.update(source.read_bytes())
     versions["kernels"] = digest.hexdigest()[:12]  # canaries gate kernel changes by this hash
     return versions

@@ -1,8 +1,9 @@
-"""Triton kernels for the KIVI cache: ``kivi.kernels.quantize`` (fused quantize + pack, the slot cache's flush),
-``kivi.kernels.decode_attention`` (fused decode attention over buffers in kivi.quant's layout) and
-``kivi.kernels.dense_decode`` (fp16 decode over ragged lengths). The caches call them through kivi.backend; they
-read only kivi.config and kivi.quant. Import from those modules: the package does not re-export their functions,
-whose names would shadow the modules.
+"""GPU kernels for the KIVI cache: in Triton, ``kivi.kernels.quantize`` (fused quantize + pack, the slot cache's
+flush), ``kivi.kernels.decode_attention`` (fused decode attention over buffers in kivi.quant's layout) and
+``kivi.kernels.dense_decode`` (fp16 decode over ragged lengths); in CUDA C++, ``kivi.kernels.cuda_decode`` (the same
+decode attention for the layouts it serves, source in ``csrc/``, built at first use). The caches call them through
+kivi.backend; they read only kivi.config and kivi.quant. Import from those modules: the package does not re-export
+their functions, whose names would shadow the modules.
 
 Oracles: kivi.quant (quantization, layout) and kivi.attention (attention), via tools.kernel_data.reference_decode.
 

@@ -192,6 +192,9 @@ def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuf
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kq.codes.shape[2], kq.scale.shape[2], keys.resid.shape[2], vq.codes.shape[2], values.resid.shape[2],
         int(v_ring), int(out.dtype == torch.float32))
+    if emulate != (query.device.type == "cpu"):
+        raise ValueError(f"cuda decode_attention: {query.device} tensors {'with' if emulate else 'without'} emulate "
+                         "(the GPU build takes CUDA tensors, the emulation CPU tensors)")
     if emulate:
         lib = library(emulate=True)
         stream = None
@@ -202,7 +205,8 @@ def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuf
         stream = torch.cuda.current_stream(query.device).cuda_stream
     code = lib.kivi_decode(ctypes.byref(args), config.k_bits, dim, stream)
     if code:
-        raise RuntimeError(f"cuda decode_attention: launch failed: {lib.kivi_decode_error(code).decode()}")
+        reason = "a shape it does not serve" if code == -1 else lib.kivi_decode_error(code).decode()
+        raise RuntimeError(f"cuda decode_attention: launch failed: {reason}")
     if num_splits > 1:
         merge_splits(part, lse, out)
     return out

@@ -23,15 +23,18 @@
 //   to the value products' right operand by two shuffles. Values are dequantized into the left operand
 //   (code * s + z, one fp16 rounding: 1.4e-4 relative, measured on outlier data).
 // The query and the key products work in raw units (q . k); qk_scale (with log2 e) is applied in fp32 after.
+// Each warp copies its next unit's codes, scales and zeros into shared memory (cp.async) while it computes the
+// current one, so a unit waits for its loads once; full-precision keys and values are read as they are used.
 #include "warp.cuh"
 
 #ifndef KIVI_EMULATE
 #include <cuda_runtime.h>
 #endif
 
-#include <cfloat>
+#include <cmath>
 
-// Mirrored by kivi/kernels/cuda_decode.py (_Args): same fields, same order.
+// Mirrored by kivi/kernels/cuda_decode.py (_Args): same fields, same order. Outside the anonymous namespace:
+// the entry point's parameter type must have external linkage for the symbol to be exported.
 struct Args {
   const uint16_t* q;  // [B, Hq, D] fp16, strides stride_qb, stride_qh, 1
   void* out;          // splits == 1: [B, Hq, D] fp16 or fp32 (out_f32), strides stride_ob, stride_oh, 1
@@ -534,12 +537,7 @@ int launch_heads(const Args& a, void* stream) {
 
 extern "C" {
 
-// What the kernel serves: query heads per KV head, code bits (keys = values), head sizes.
-int kivi_decode_max_group_heads() { return 8; }
-int kivi_decode_bits(int bits) { return bits == 2 || bits == 4; }
-int kivi_decode_head_dim(int dim) { return dim == 128 || dim == 256; }
-
-// 0: launched; -1: a shape it does not serve (the caller checks first); else a cudaError_t.
+// 0: launched; -1: a shape it does not serve (kivi/kernels/cuda_decode.py checks first); else a cudaError_t.
 int kivi_decode(const Args* a, int bits, int head_dim, void* stream) {
   if (a->q_heads % a->kv_heads || a->q_heads / a->kv_heads > 8) return -1;
   if (bits == 2 && head_dim == 128) return launch_heads<2, 128>(*a, stream);

@@ -1,0 +1,163 @@
+"""The CUDA C++ decode attention (kivi/kernels/csrc) against the oracle, run on the CPU: the same source compiled as
+C++ over a software warp (emulate.h: every thread a fiber, shuffles, votes and the tensor-core product as
+rendezvous of its 32 lanes). On the GPU, ``python -m tools.kernel_check`` compares the nvcc build with the oracle
+and with the Triton kernel; here the GPU build is compiled (CI catches its compile errors) but not run."""
+
+import ctypes
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+from transformers import MistralConfig
+
+from kivi import backend
+from kivi.config import KiviConfig
+from kivi.kernels import cuda_decode
+from kivi.slot_cache import SlotCache
+from tools.kernel_data import REAL_KV, fill_streams, outlier_kv, reference_decode, relative_error
+
+TOLERANCE = 1e-3  # relative error of the float32 output vs the float32 oracle, as for the Triton kernel
+
+
+def emulated(query, key_stream, value_stream, config, num_splits, out_dtype=torch.float32, softcap=None):
+    """The kernel over two KVStreams (as backend.decode_attention hands them over), output poisoned first."""
+    after_sink = [q + r for q, r in zip(key_stream.n_quant, key_stream.n_resid)]
+    counts = torch.tensor([key_stream.n_sink, key_stream.n_quant, value_stream.n_quant, after_sink], dtype=torch.int32)
+    out = torch.full(query.shape, float("nan"), dtype=out_dtype)
+    cuda_decode.decode_attention(query, key_stream.buffers, value_stream.buffers, counts, config, query.shape[-1] ** -0.5,
+                                 num_splits, out, softcap=softcap, emulate=True)
+    assert not out.isnan().any(), f"{out.isnan().sum().item()} output elements left unwritten"
+    return out
+
+
+def random_case(heads, lengths, config, seed):
+    q_heads, kv_heads, dim = heads
+    gen = torch.Generator().manual_seed(seed)
+    keys, values = outlier_kv(len(lengths), kv_heads, max(lengths), dim, torch.float16, "cpu", gen)
+    query = torch.randn(len(lengths), q_heads, 1, dim, generator=gen).half()
+    return (query, *fill_streams(keys, values, lengths, config))
+
+
+HEADS = {  # (query heads, KV heads, head_dim): one and two column tiles of heads, both head sizes
+    "MHA 2/2x128": (2, 2, 128),
+    "GQA 12/2x128 (Qwen2.5-1.5B)": (12, 2, 128),
+    "MQA 4/1x256": (4, 1, 256),
+    "GQA 6/2x256": (6, 2, 256),
+}
+CONFIGS = {"kivi-2": KiviConfig(), "kivi-4": KiviConfig(k_bits=4, v_bits=4), "kivi-2 R32": KiviConfig(residual_length=32)}
+# Ragged: a residual only, a value window past the last quantized key group, units of 64 that end mid-group.
+LENGTHS = [331, 5, 200]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_the_cuda_kernel_matches_the_oracle(heads, config, num_splits):
+    query, ks, vs = random_case(HEADS[heads], LENGTHS, CONFIGS[config], seed=len(heads) + len(config))
+    out = emulated(query, ks, vs, CONFIGS[config], num_splits)
+    assert relative_error(out, reference_decode(query, ks, vs, query.shape[-1] ** -0.5)) <= TOLERANCE
+
+
+def test_the_cuda_kernel_soft_caps_and_rounds_to_fp16():
+    config = KiviConfig(residual_length=32)
+    query, ks, vs = random_case(HEADS["GQA 12/2x128 (Qwen2.5-1.5B)"], [97, 260], config, seed=3)
+    ref = reference_decode(query, ks, vs, query.shape[-1] ** -0.5, softcap=8.0)
+    capped = emulated(query, ks, vs, config, num_splits=1, softcap=8.0)
+    assert relative_error(capped, ref) <= TOLERANCE
+    assert relative_error(emulated(query, ks, vs, config, num_splits=1), ref) > 10 * TOLERANCE  # the cap matters here
+    rounded = emulated(query, ks, vs, config, num_splits=1, out_dtype=torch.float16, softcap=8.0)
+    assert rounded.dtype == torch.float16 and torch.equal(rounded, capped.half())
+
+
+@pytest.mark.parametrize("config", ["kivi-2", "kivi-4"])
+def test_the_cuda_kernel_on_real_keys_and_values(config):
+    # SmolLM2-135M's heads are 64 wide; zero channels (as the slot cache pads Phi-3's 96) leave attention unchanged.
+    data = torch.load(REAL_KV)
+    lengths = [256, 229, 197]
+    keys, values, queries = (torch.nn.functional.pad(data[k].half(), (0, 64)) for k in ("keys", "values", "queries"))
+    first = keys.shape[2] - queries.shape[2]
+    query = torch.stack([queries[b, :, n - 1 - first] for b, n in enumerate(lengths)]).unsqueeze(2)
+    ks, vs = fill_streams(keys, values, lengths, CONFIGS[config])
+    out = emulated(query, ks, vs, CONFIGS[config], num_splits=2)
+    assert relative_error(out, reference_decode(query, ks, vs, query.shape[-1] ** -0.5)) <= TOLERANCE
+
+
+def test_the_slot_cache_steps_on_the_cuda_kernel_as_on_the_oracle(monkeypatch):
+    """Decode steps of the engine's cache: the value window as a ring, the step's token stored, flushes between."""
+    def on_the_cuda_kernel(query, keys, values, counts, config, scaling, max_tokens, out=None, v_ring=False,
+                           softcap=None, num_splits=None, kernel="auto"):
+        splits = cuda_decode.default_num_splits(query.shape[0], keys.resid.shape[1], max_tokens, query.device)
+        return cuda_decode.decode_attention(query, keys, values, counts, config, scaling, splits, out, v_ring=v_ring,
+                                            softcap=softcap, emulate=True)
+
+    monkeypatch.setattr(backend, "decode", on_the_cuda_kernel)
+    gen = torch.Generator().manual_seed(0)
+    q_heads, kv_heads, dim, lengths = 12, 2, 128, [317, 129, 37]
+    config = MistralConfig(hidden_size=q_heads * dim, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
+                           head_dim=dim, num_hidden_layers=1, intermediate_size=16, vocab_size=16, sliding_window=None)
+    kivi = KiviConfig(residual_length=32)
+    keys, values = outlier_kv(len(lengths), kv_heads, max(lengths), dim, torch.float16, "cpu", gen)
+    caches = [SlotCache(config, len(lengths), max(lengths) + 40, torch.float16, "cpu", kivi, use_kernels)
+              for use_kernels in (True, False)]
+    for cache in caches:
+        cache.load(torch.arange(len(lengths)), [(keys, values)], torch.tensor(lengths))
+    for _ in range(4):  # position 319 fills a key block (flushed), every step moves a value out of the ring
+        query = torch.randn(len(lengths), q_heads, 1, dim, generator=gen).half()
+        key, value = outlier_kv(len(lengths), kv_heads, 1, dim, torch.float16, "cpu", gen)
+        kernel, oracle = (cache.layers[0].attend(query, key, value, dim**-0.5, 8.0) for cache in caches)
+        for cache in caches:
+            cache.advance()
+        assert relative_error(kernel.float(), oracle.float()) <= 2 * TOLERANCE  # both rounded to fp16
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(dtype=torch.bfloat16), "fp16 only"),
+    (dict(config=KiviConfig(k_bits=8, v_bits=8)), "2 or 4 bits"),
+    (dict(config=KiviConfig(k_bits=2, v_bits=4)), "the same for both"),
+    (dict(config=KiviConfig(group_size=64)), "32 only"),
+    (dict(config=KiviConfig(sink_tokens=4)), "sink tokens"),
+    (dict(shape=(1, 4, 1, 64)), "head_dim=64"),
+    (dict(shape=(1, 18, 1, 128)), "at most 8 per KV head"),
+    (dict(shape=(1, 4, 2, 128)), "decode only"),
+])
+def test_what_the_cuda_kernel_does_not_serve_is_named(change, reason):
+    case = dict(config=KiviConfig(), shape=(1, 4, 1, 128), kv_heads=2, dtype=torch.float16) | change
+    assert reason in (cuda_decode.unsupported(case["config"], case["shape"], case["kv_heads"], case["dtype"]) or "")
+    assert cuda_decode.unsupported(KiviConfig(), (1, 4, 1, 128), 2, torch.float16) is None
+
+
+def test_the_backend_takes_the_cuda_kernel_only_where_it_was_measured_faster():
+    kivi2, kivi4 = KiviConfig(), KiviConfig(k_bits=4, v_bits=4)
+    assert cuda_decode.faster_than_triton(kivi2, q_heads=12, kv_heads=2, max_tokens=32768)  # grouped heads: always
+    assert cuda_decode.faster_than_triton(kivi4, q_heads=12, kv_heads=2, max_tokens=1024)
+    assert cuda_decode.faster_than_triton(kivi2, q_heads=32, kv_heads=32, max_tokens=1024)  # MHA, short contexts
+    assert not cuda_decode.faster_than_triton(kivi2, q_heads=32, kv_heads=32, max_tokens=32768)
+    assert not cuda_decode.faster_than_triton(kivi4, q_heads=32, kv_heads=32, max_tokens=1024)
+    cpu = torch.zeros(1, 12, 1, 128, dtype=torch.float16)
+    assert not backend.serves_cuda(kivi2, cpu, 2, torch.float16)  # CPU tensors: the Triton kernel (interpreter)
+
+
+def test_cpu_tensors_need_the_emulation():
+    query, ks, vs = random_case(HEADS["MHA 2/2x128"], [40], CONFIGS["kivi-2"], seed=1)
+    counts = torch.tensor([[0], [0], [0], [40]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="without emulate"):
+        cuda_decode.decode_attention(query, ks.buffers, vs.buffers, counts, CONFIGS["kivi-2"], 0.1, 1)
+
+
+@pytest.mark.skipif(not shutil.which("nvcc"), reason="nvcc is not installed: the GPU build is not compiled here")
+def test_the_gpu_build_compiles_exports_its_entry_points_and_spills_nothing_at_head_dim_128(tmp_path):
+    """nvcc for sm_90 (the H200's), as the first use on a GPU host builds it; ctypes resolves the entry points
+    without a GPU. Spills at head_dim 128 would put per-token loads in local memory on the hot path."""
+    library = tmp_path / "kivi_decode.so"
+    command = cuda_decode.build_command(library, emulate=False, arch="90")
+    done = subprocess.run([*command, "-Xptxas", "-v"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lib = ctypes.CDLL(str(library))
+    lib.kivi_decode_error.restype = ctypes.c_char_p
+    assert lib.kivi_decode and lib.kivi_decode_error(0) == b"no error"  # cudaGetErrorString(cudaSuccess), no GPU needed
+    # ptxas reports each instantiation (decode_kernelILi<bits>ELi<head_dim>ELi<column tiles>) with its spills
+    reports = re.findall(r"decode_kernelILi(\d)ELi(\d+)ELi(\d).*?(\d+) bytes spill stores", done.stderr, re.S)
+    assert len(reports) == 8
+    assert all(spills == "0" for bits, dim, tiles, spills in reports if dim == "128")
