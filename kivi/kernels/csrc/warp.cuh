@@ -17,23 +17,17 @@ KIVI_DEVICE uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
   return d;
 }
 
-KIVI_DEVICE uint32_t hsub2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-KIVI_DEVICE uint32_t hadd2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-KIVI_DEVICE uint32_t hmul2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
+// a op b on fp16 pairs, rounded to nearest: hsub2, hadd2, hmul2.
+#define KIVI_HALF2_BINARY(name, instruction)                       \
+  KIVI_DEVICE uint32_t name(uint32_t a, uint32_t b) {              \
+    uint32_t d;                                                    \
+    asm(instruction " %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));    \
+    return d;                                                      \
+  }
+KIVI_HALF2_BINARY(hsub2, "sub.rn.f16x2")
+KIVI_HALF2_BINARY(hadd2, "add.rn.f16x2")
+KIVI_HALF2_BINARY(hmul2, "mul.rn.f16x2")
+#undef KIVI_HALF2_BINARY
 
 KIVI_DEVICE uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
