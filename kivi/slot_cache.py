@@ -194,6 +194,7 @@ class KiviSlotLayer(_SlotLayer):
             no_sinks = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
             self.key_buffers = StreamBuffers(no_sinks, self.keys, self.key_resid)
             self.value_buffers = StreamBuffers(no_sinks, self.values, self.value_ring)
+            self.num_splits: int | None = None  # the serving kernel's choice for the capacity (tests set others)
 
     def _load(self, rows, keys, values, lengths):
         """Whole key blocks and every value are quantized at once; a group that mixes a sequence's tail with
@@ -241,7 +242,8 @@ class KiviSlotLayer(_SlotLayer):
     def _attend_kernels(self, query, scaling, softcap):
         cfg = self.config
         out = backend.decode(query, self.key_buffers, self.value_buffers, self.state.counts(cfg), cfg, scaling,
-                             self.state.capacity, _output(query), v_ring=True, softcap=softcap)
+                             self.state.capacity, _output(query), v_ring=True, softcap=softcap,
+                             num_splits=self.num_splits)
         backend.flush(self.key_resid, self.value_ring, self.keys, self.values, self.state.positions, cfg)
         return out
 
