@@ -172,6 +172,9 @@ def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuf
     kv_heads = keys.resid.shape[1]
     if reason := unsupported(config, tuple(query.shape), kv_heads, keys.resid.dtype):
         raise ValueError(f"cuda decode_attention: {reason}")
+    if emulate != (query.device.type == "cpu"):
+        raise ValueError(f"cuda decode_attention: {query.device} tensors {'with' if emulate else 'without'} emulate "
+                         "(the GPU build takes CUDA tensors, the emulation CPU tensors)")
     check_decode_buffers(query, keys, values, counts, config)
     if query.stride(-1) != 1 or query.stride(0) % 4 or query.stride(1) % 4 or query.data_ptr() % 16:
         query = query.contiguous()
@@ -192,9 +195,6 @@ def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuf
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kq.codes.shape[2], kq.scale.shape[2], keys.resid.shape[2], vq.codes.shape[2], values.resid.shape[2],
         int(v_ring), int(out.dtype == torch.float32))
-    if emulate != (query.device.type == "cpu"):
-        raise ValueError(f"cuda decode_attention: {query.device} tensors {'with' if emulate else 'without'} emulate "
-                         "(the GPU build takes CUDA tensors, the emulation CPU tensors)")
     if emulate:
         lib = library(emulate=True)
         stream = None

@@ -191,9 +191,6 @@ KIVI_DEVICE uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
 
 KIVI_DEVICE uint32_t pack_half2(float lo, float hi) { return emu::to_half(lo) | (uint32_t(emu::to_half(hi)) << 16); }
 
-KIVI_DEVICE float half_lo(uint32_t x) { return float(emu::from_half(x & 0xFFFF)); }
-KIVI_DEVICE float half_hi(uint32_t x) { return float(emu::from_half(x >> 16)); }
-KIVI_DEVICE float half_to_float(uint16_t x) { return float(emu::from_half(x)); }
 KIVI_DEVICE uint16_t float_to_half(float x) { return emu::to_half(x); }
 
 KIVI_DEVICE float fast_exp2(float x) { return std::exp2(x); }

@@ -42,20 +42,11 @@ KIVI_DEVICE uint32_t pack_half2(float lo, float hi) {
   return d;
 }
 
-KIVI_DEVICE float half_to_float(uint16_t x) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-  return f;
-}
-
 KIVI_DEVICE uint16_t float_to_half(float x) {
   uint16_t h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
   return h;
 }
-
-KIVI_DEVICE float half_lo(uint32_t x) { return half_to_float(uint16_t(x & 0xFFFF)); }
-KIVI_DEVICE float half_hi(uint32_t x) { return half_to_float(uint16_t(x >> 16)); }
 
 KIVI_DEVICE float fast_exp2(float x) {
   float y;
