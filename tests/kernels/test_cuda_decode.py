@@ -16,6 +16,7 @@ from kivi import backend
 from kivi.config import KiviConfig
 from kivi.kernels import cuda_decode
 from kivi.slot_cache import SlotCache
+from tools.decode_precision import variant_errors
 from tools.kernel_data import REAL_KV, fill_streams, outlier_kv, reference_decode, relative_error
 
 TOLERANCE = 1e-3  # relative error of the float32 output vs the float32 oracle, as for the Triton kernel
@@ -161,3 +162,13 @@ def test_the_gpu_build_compiles_exports_its_entry_points_and_spills_nothing_at_h
     reports = re.findall(r"decode_kernelILi(\d)ELi(\d+)ELi(\d).*?(\d+) bytes spill stores", done.stderr, re.S)
     assert len(reports) == 8
     assert all(spills == "0" for bits, dim, tiles, spills in reports if dim == "128")
+
+
+def test_the_kernels_roundings_are_the_ones_the_precision_budget_allows():
+    """Why the key products take q * s in hi and lo parts and the values may be rounded (tools.decode_precision):
+    on outlier keys, fp16 keys or one fp16 part of q * s err near or past the bar, the kernel's choices far below."""
+    gen = torch.Generator().manual_seed(0)
+    keys, values = outlier_kv(1, 2, 1024, 128, torch.float16, "cpu", gen)
+    errors = variant_errors(torch.randn(1, 8, 128, generator=gen).half(), keys, values)
+    assert errors["q*s fp16"] > TOLERANCE and errors["keys fp16"] > TOLERANCE / 2
+    assert errors["q*s hi/lo"] < 1e-6 and errors["values fp16"] + errors["p fp16"] < TOLERANCE / 2

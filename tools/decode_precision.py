@@ -1,0 +1,87 @@
+"""What rounding a decode kernel may afford: ``python -m tools.decode_precision [--json PATH]`` (CPU, seconds).
+
+The relative error against float64 attention over the same quantized cache (KIVI-2, G = 32, R = 128) when one
+operand is rounded to fp16 the way a tensor-core kernel would hold it:
+- ``keys fp16``: keys dequantized (code * s + z) and rounded to fp16;
+- ``q*s fp16``: keys as exact codes, q * s (per channel) rounded to one fp16 part, the zero term exact;
+- ``q*s hi/lo``: q * s as two fp16 parts, hi + lo (what the CUDA kernel does);
+- ``values fp16``: values dequantized and rounded to fp16;
+- ``p fp16``: the probabilities rounded to fp16 before they weight the values.
+On random K/V with outlier channels (``tools.kernel_data.outlier_kv``) and the real SmolLM2 K/V of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from kivi.quant import GROUP_DIM, quantize, unpack
+from tools.kernel_data import REAL_KV, outlier_kv, relative_error
+
+GROUP, RESIDUAL = 32, 128
+
+
+def variant_errors(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bits: int = 2) -> dict[str, float]:
+    """query [B, Hq, D], keys / values [B, Hkv, T, D]: relative error of each rounding (the module's list)."""
+    batch, kv_heads, tokens, dim = keys.shape
+    n = (tokens - 1) // RESIDUAL * RESIDUAL  # quantized tokens; the newest stay full precision
+    kq = quantize(keys[:, :, :n], bits, GROUP, GROUP_DIM["channel"])
+    vq = quantize(values[:, :, :n], bits, GROUP, GROUP_DIM["token"])
+    kc = unpack(kq.codes, bits, GROUP_DIM["channel"]).double()
+    ks, kz = (t.double().repeat_interleave(GROUP, 2) for t in (kq.scale, kq.zero))
+    vc = unpack(vq.codes, bits, GROUP_DIM["token"]).double()
+    vs, vz = (t.double().repeat_interleave(GROUP, 3) for t in (vq.scale, vq.zero))
+    k_full = torch.cat([kc * ks + kz, keys[:, :, n:].double()], 2)
+    v_full = torch.cat([vc * vs + vz, values[:, :, n:].double()], 2)
+    q = query.double().view(batch, kv_heads, -1, dim)
+    scale = dim**-0.5
+
+    def logits(q_times_s: torch.Tensor | None = None, k: torch.Tensor = k_full) -> torch.Tensor:
+        if q_times_s is None:
+            return torch.einsum("bhgd,bhtd->bhgt", q, k) * scale
+        quantized = (q_times_s * kc.unsqueeze(2)).sum(-1) + torch.einsum("bhgd,bhtd->bhgt", q, kz)
+        return torch.cat([quantized, torch.einsum("bhgd,bhtd->bhgt", q, keys[:, :, n:].double())], -1) * scale
+
+    def attend(s: torch.Tensor, v: torch.Tensor = v_full, p16: bool = False) -> torch.Tensor:
+        p = torch.exp(s - s.amax(-1, keepdim=True))
+        return torch.einsum("bhgt,bhtd->bhgd", p.half().double() if p16 else p, v) / p.sum(-1, keepdim=True)
+
+    exact = logits()
+    ref = attend(exact)
+    qs = q.unsqueeze(3) * ks.unsqueeze(2)  # [B, Hkv, g, n, D]
+    hi = qs.half().double()
+    return {
+        "keys fp16": relative_error(attend(logits(k=k_full.half().double())), ref),
+        "q*s fp16": relative_error(attend(logits(hi)), ref),
+        "q*s hi/lo": relative_error(attend(logits(hi + (qs - hi).half().double())), ref),
+        "values fp16": relative_error(attend(exact, v_full.half().double()), ref),
+        "p fp16": relative_error(attend(exact, p16=True), ref),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for tokens in (1024, 4096, 16384):
+        keys, values = outlier_kv(2, 4, tokens, 128, torch.float16, "cpu", gen)
+        query = torch.randn(2, 16, 128, generator=gen).half()
+        rows.append({"data": f"random, outlier keys, GQA 16/4x128, S={tokens}", **variant_errors(query, keys, values)})
+    real = torch.load(REAL_KV)
+    rows.append({"data": f"SmolLM2-135M layers {real['layers']}, S={real['keys'].shape[2]}",
+                 **variant_errors(real["queries"][:, :, -1].half(), real["keys"].half(), real["values"].half())})
+    names = [k for k in rows[0] if k != "data"]
+    print(f"{'data':48} " + " ".join(f"{n:>12}" for n in names))
+    for r in rows:
+        print(f"{r['data']:48} " + " ".join(f"{r[n]:12.2e}" for n in names))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bits": 2, "group_size": GROUP, "residual_length": RESIDUAL, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
