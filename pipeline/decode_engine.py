@@ -81,10 +81,11 @@ class DecodeRun:
         return torch.tensor([c.tokens for c in self.completions], dtype=torch.long)
 
 
-# cuDNN's fused attention, PyTorch's first choice for masked SDPA on Hopper, builds a plan for every shape it
-# meets (0.1-0.4 s each), and prefill micro-batches come in many shapes: on the H200 it ran the prefill of a
-# nightly-like load at 26% of the model's speed, and 58% with widths and rows padded to buckets, where the
-# memory-efficient kernel, which plans nothing, ran it at 75-80% (BENCHMARKS.md, "Prefill inside the schedule").
+# cuDNN's fused attention, PyTorch's first choice for fp16 SDPA on Hopper, builds a plan for every shape it meets
+# (0.1-0.4 s each), and prefill micro-batches come in many shapes: on the H200 it ran the prefill of a nightly-like
+# load at 26% of the model's speed, and 58% with widths and rows padded to buckets, where the kernels that plan
+# nothing ran it at 75-80% (BENCHMARKS.md, "Prefill inside the schedule"). Without a padding mask (``_prefill``)
+# the flash kernel serves.
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -212,15 +213,17 @@ class _Batch:
                 lengths = torch.tensor([len(prompts[0])])
             else:
                 lengths = torch.tensor([len(p) for p in prompts])
-                width = int(lengths.max())
-                ids = torch.zeros(len(prompts), width, dtype=torch.long)
+                ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
                 for j, prompt in enumerate(prompts):
                     ids[j, : len(prompt)] = torch.as_tensor(prompt)
-                mask = torch.arange(width)[None, :] < lengths[:, None]
+                # No padding mask: right padding comes after every real token, so causal attention already keeps it
+                # out of them, and unmasked causal attention runs on the flash kernel (a mask forces the
+                # memory-efficient kernel over the whole square; BENCHMARKS.md "Prefill inside the schedule"). The
+                # padding's own outputs are never read: its keys and values are not loaded, its logits not kept.
                 # The logits at each prompt's last position: the columns the prompts end at, then each row's own.
                 ends, at = torch.unique(lengths - 1, return_inverse=True)
-                logits = engine.model(input_ids=to_device(ids, device), attention_mask=to_device(mask, device),
-                                      past_key_values=kv, use_cache=True, logits_to_keep=to_device(ends, device)).logits
+                logits = engine.model(input_ids=to_device(ids, device), past_key_values=kv, use_cache=True,
+                                      logits_to_keep=to_device(ends, device)).logits
                 logits = logits[torch.arange(len(prompts), device=device), to_device(at, device)]
         self.cache.load(slots, [(layer.keys, layer.values) for layer in kv.layers], lengths)
         return logits
