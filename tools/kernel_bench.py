@@ -8,7 +8,7 @@ the ShareGPT sweep's regime, Llama-2-7B at B = 256 and 512, S = 640 and 1,024); 
 median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``) over input sets rotated through more than
 4x the L2 cache: GPU time as the decode engine's captured step sees it, without the host's launch overhead
 (which bounds small cases launched eagerly). Effective bandwidth = bytes that must be read and written / time,
-as % of a device-to-device copy measured in the same run. ``--sweep`` times the CUDA kernel's launch variants
+as % of a device-to-device copy measured in the same run. ``--sweep`` times the CUDA kernel at each split count
 instead.
 """
 
@@ -131,11 +131,11 @@ def time_kivi(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bit
 
 
 def time_cuda(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bits: int,
-              blocks_per_sm: int = 8) -> tuple[float, int, int]:
-    """(median ms, bytes, splits) of the CUDA kernel."""
+              splits: int | None = None) -> tuple[float, int, int]:
+    """(median ms, bytes, splits) of the CUDA kernel; ``splits`` None: its default."""
     batch, kv_heads, tokens, dim = keys.shape
     config = kivi_config(bits)
-    splits = cuda_decode.default_num_splits(batch, kv_heads, tokens, query.device, blocks_per_sm)
+    splits = splits or cuda_decode.default_num_splits(batch, kv_heads, tokens, query.device)
     call = lambda q, k, v, counts: cuda_decode.decode_attention(q, k, v, counts, config, dim**-0.5, splits)  # noqa: E731
     return (*time_kivi_call(query, keys, values, config, call), splits)
 
@@ -195,26 +195,32 @@ def fits(case: DecodeCase) -> bool:
     return 2 * case.batch * kv_heads * case.tokens * dim * 2 <= 70e9
 
 
-SWEEP = (("llama2-7b", 8, 32768), ("gqa-32/8", 8, 32768), ("llama2-7b", 512, 640), ("qwen2.5-1.5b", 64, 1024),
-         ("qwen2.5-1.5b", 256, 1024))
+SWEEP = (("llama2-7b", 8, 32768), ("gqa-32/8", 8, 32768), ("llama2-7b", 512, 640), ("llama2-7b", 256, 1024),
+         ("qwen2.5-1.5b", 64, 1024), ("qwen2.5-1.5b", 256, 1024))
+SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 17, 24, 33)
 
 
 def sweep(gen: torch.Generator) -> list[dict]:
-    """CUDA KIVI-2 time per launch variant (blocks per SM, which set the split count) at the regimes of the
-    targets; the log gets every row, the screen the best per size."""
+    """CUDA KIVI-2 time per split count at the regimes of the targets (and the default's choice); the log gets every
+    row, the screen the best per size."""
     rows = []
     for case in (DecodeCase(*c) for c in SWEEP):
         query, keys, values = decode_inputs(case, gen)
         sdpa_ms, _ = time_sdpa(query, keys, values)
-        for blocks in (2, 4, 8, 16, 32):
-            ms, _, splits = time_cuda(query, keys, values, 2, blocks)
-            rows.append({"shape": case.shape, "batch": case.batch, "tokens": case.tokens, "sdpa_ms": sdpa_ms, "cuda2_ms": ms,
-                         "blocks_per_sm": blocks, "splits": splits})
-            print(f"  blocks/SM={blocks} splits={splits}: {ms:.4f} ms", flush=True)
-        best = min(rows[-5:], key=lambda r: r["cuda2_ms"])
-        print(f"sweep best {case.shape} B={case.batch} S={case.tokens}: blocks/SM={best['blocks_per_sm']} "
-              f"splits={best['splits']}: cuda2 {best['cuda2_ms']:.4f} ms, sdpa {sdpa_ms:.4f} ms, "
-              f"x{sdpa_ms / best['cuda2_ms']:.2f}", flush=True)
+        default = cuda_decode.default_num_splits(case.batch, case.heads[1], case.tokens, query.device)
+        units = -(-case.tokens // cuda_decode.UNIT_TOKENS)
+        timed = []
+        for splits in sorted({default, *(n for n in SWEEP_SPLITS if n <= units)}):
+            ms, _, _ = time_cuda(query, keys, values, 2, splits)
+            timed.append({"shape": case.shape, "batch": case.batch, "tokens": case.tokens, "sdpa_ms": sdpa_ms,
+                          "cuda2_ms": ms, "splits": splits, "default": splits == default})
+            print(f"  splits={splits}{' (default)' if splits == default else ''}: {ms:.4f} ms", flush=True)
+        best = min(timed, key=lambda r: r["cuda2_ms"])
+        mine = next(r for r in timed if r["default"])
+        print(f"sweep {case.shape} B={case.batch} S={case.tokens}: best splits={best['splits']} {best['cuda2_ms']:.4f} ms "
+              f"(x{sdpa_ms / best['cuda2_ms']:.2f} sdpa), default splits={default} {mine['cuda2_ms']:.4f} ms "
+              f"(x{sdpa_ms / mine['cuda2_ms']:.2f}), sdpa {sdpa_ms:.4f} ms", flush=True)
+        rows += timed
         del query, keys, values
         torch.cuda.empty_cache()
     return rows
@@ -223,7 +229,7 @@ def sweep(gen: torch.Generator) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="kernels_bench.json")
-    parser.add_argument("--sweep", action="store_true", help="time launch variants at a few sizes instead")
+    parser.add_argument("--sweep", action="store_true", help="time the CUDA kernel at each split count at a few sizes instead")
     parser.add_argument("--only", metavar="SHAPE:B:S[,...]", help="time these decode cases, e.g. llama2-7b:8:32768")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
