@@ -156,15 +156,17 @@ def faster_than_triton(config: KiviConfig, q_heads: int, kv_heads: int, max_toke
     return config.k_bits == 2 and max_tokens <= 2048
 
 
-def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device, blocks_per_sm: int = 8) -> int:
-    """Splits per sequence: about ``blocks_per_sm`` blocks per multiprocessor, but each warp with at least two units.
-    A warp copies its next unit while it computes the current one, so a warp of one unit waits for all its loads:
-    on the H200 (``tools.kernel_bench --sweep``, BENCHMARKS.md) Qwen2.5-1.5B's shape at B = 64, S = 1,024 ran in
-    0.0223 ms at 2 splits (2 units a warp) against 0.0271 at the 4 that filling the GPU alone asked for, and B = 256
-    in 0.0704 at 2 against 0.0795 at 3; at long contexts every warp has many units and the count barely matters."""
+def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
+    """Splits per sequence: enough for two blocks per multiprocessor, and up to eight where each split still holds
+    16 units (4 per warp). Measured on the H200 (``tools.kernel_bench --sweep`` and the engine's step, BENCHMARKS.md):
+    at short contexts more blocks only add waves and merging, and a warp of a single unit waits for all its loads
+    (its copies overlap its computing from its second unit on): Qwen2.5-1.5B's shape at B = 64, S = 1,024 ran in
+    0.0223 ms at 2 splits against 0.0271 at 4, and the engine's 256 slots of ragged lengths in 0.076 at 1 against
+    0.108 at 3; at long contexts with few sequences more splits fill the GPU (GQA 32 / 8, B = 8, S = 32K: 0.181 ms
+    at 4, 0.166 at 17)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    wanted = -(-blocks_per_sm * sms // (batch * kv_heads))
-    return max(1, min(wanted, -(-max_tokens // UNIT_TOKENS) // (2 * WARPS)))
+    pairs, units = batch * kv_heads, -(-max_tokens // UNIT_TOKENS)
+    return max(1, 2 * sms // pairs, min(-(-8 * sms // pairs), units // (4 * WARPS)))
 
 
 def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, counts: torch.Tensor,

@@ -213,26 +213,27 @@ def _flush_kernel(
     HEAD_DIM: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
     KEY_BLOCK: tl.constexpr, WINDOW: tl.constexpr, RECIPROCAL: tl.constexpr,
 ):
-    """KIVI's flush after one decode step, for one (sequence, head): the key block when it is full, the value
-    that left the window. Programs of sequences with nothing to flush only read their length."""
+    """KIVI's flush after one decode step, for one (sequence, head) and one key group of the block (program axis
+    1): that group when the key block is full, and (group 0's program) the value that left the window. Programs
+    of sequences with nothing to flush only read their length. One program per key group, not per block: the few
+    sequences that fill a block in a step would otherwise quantize it alone, after every other program ended."""
     CPW_K: tl.constexpr = 32 // BITS_K
     CPW_V: tl.constexpr = 32 // BITS_V
-    bh = tl.program_id(0)
+    bh, g = tl.program_id(0), tl.program_id(1)
     t = tl.load(len_ptr + bh // heads)
     bh64 = bh.to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
     if (t + 1) % KEY_BLOCK == 0:
         first = t + 1 - KEY_BLOCK
-        for g in tl.static_range(KEY_BLOCK // GROUP):
-            r = g * GROUP + tl.arange(0, GROUP)
-            x = tl.load(kr_ptr + (bh64 * KEY_BLOCK + r[:, None]) * HEAD_DIM + d[None, :])
-            words, scale, zero = _channel_words(x, ks_ptr.dtype.element_ty, BITS_K, RECIPROCAL)
-            w_row = (first + g * GROUP) // CPW_K + tl.arange(0, GROUP // CPW_K)
-            tl.store(kc_ptr + (bh64 * kc_rows + w_row[:, None]) * HEAD_DIM + d[None, :], words)
-            s_off = (bh64 * (kc_rows * CPW_K // GROUP) + first // GROUP + g) * HEAD_DIM + d
-            tl.store(ks_ptr + s_off, scale)
-            tl.store(kz_ptr + s_off, zero)
-    if t >= WINDOW:
+        r = g * GROUP + tl.arange(0, GROUP)
+        x = tl.load(kr_ptr + (bh64 * KEY_BLOCK + r[:, None]) * HEAD_DIM + d[None, :])
+        words, scale, zero = _channel_words(x, ks_ptr.dtype.element_ty, BITS_K, RECIPROCAL)
+        w_row = (first + g * GROUP) // CPW_K + tl.arange(0, GROUP // CPW_K)
+        tl.store(kc_ptr + (bh64 * kc_rows + w_row[:, None]) * HEAD_DIM + d[None, :], words)
+        s_off = (bh64 * (kc_rows * CPW_K // GROUP) + first // GROUP + g) * HEAD_DIM + d
+        tl.store(ks_ptr + s_off, scale)
+        tl.store(kz_ptr + s_off, zero)
+    if t >= WINDOW and g == 0:
         i = t - WINDOW
         x = tl.load(vr_ptr + (bh64 * (WINDOW + 1) + i % (WINDOW + 1)) * HEAD_DIM + d)
         words, scale, zero = _token_words(tl.reshape(x, (1, HEAD_DIM)), vs_ptr.dtype.element_ty, BITS_V, GROUP, RECIPROCAL)
@@ -258,7 +259,7 @@ def flush_step(key_resid: torch.Tensor, value_ring: torch.Tensor, keys: Quantize
     if (key_block, value_ring.shape[2]) != (config.keys.block, config.values.window + 1):
         raise ValueError(f"flush_step: key residual and value ring need {config.keys.block} and "
                          f"{config.values.window + 1} rows for {config.name}, got {key_block} and {value_ring.shape[2]}")
-    _flush_kernel[(batch * heads,)](
+    _flush_kernel[(batch * heads, key_block // config.group_size)](
         key_resid, value_ring, keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero, positions,
         heads, keys.codes.shape[2], values.codes.shape[2],
         HEAD_DIM=dim, BITS_K=config.k_bits, BITS_V=config.v_bits, GROUP=config.group_size, KEY_BLOCK=config.keys.block,

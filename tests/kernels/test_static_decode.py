@@ -69,6 +69,13 @@ def test_static_steps_on_kernels_match_the_oracle(name, heads, num_splits):
     steps_agree(kernels, oracle, HEADS[heads], gen)
 
 
+def test_a_key_block_of_two_groups_flushes_as_on_the_oracle():
+    # R = 64: the block the 61-token prompt fills at its third step is two key groups, one flush program each.
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    kernels, oracle = twin_caches(KiviConfig(group_size=32, residual_length=64), HEADS["GQA-3 D64 (SmolLM2)"], gen)
+    steps_agree(kernels, oracle, HEADS["GQA-3 D64 (SmolLM2)"], gen)
+
+
 @pytest.mark.parametrize("name", ["fp16", "kivi-2 G32 R32"])
 def test_soft_capped_steps_on_kernels_match_the_oracle(name):
     gen = torch.Generator(device=DEVICE).manual_seed(11)
