@@ -24,8 +24,7 @@
 //   (code * s + z, one fp16 rounding: 1.4e-4 relative, measured on outlier data).
 // The query and the key products work in raw units (q . k); qk_scale (with log2 e) is applied in fp32 after.
 // Each warp copies its next unit's codes, scales and zeros into shared memory (cp.async) while it computes the
-// current one, so a unit waits for its loads once; full-precision keys and values are read as they are used, from
-// L2, where the warp asked for them to be brought at the same time.
+// current one, so a unit waits for its loads once; full-precision keys and values are read as they are used.
 #include "warp.cuh"
 
 #ifndef KIVI_EMULATE
@@ -172,21 +171,6 @@ struct Decode {
       const int bytes = quantized ? piece(at, stats_end, 2) : 0;
       copy16(st.vs + 8 * c, s.vs + at, bytes);
       copy16(st.vz + 8 * c, s.vz + at, bytes);
-    }
-  }
-
-  // Start bringing unit u's full-precision keys and values (the residual, the value window) into L2: they are read
-  // as they are used, product by product, and each of those reads then waits on L2, not on memory.
-  static KIVI_DEVICE void prefetch(const Sequence& s, int u, int lane) {
-    constexpr int kLinesPerRow = D * 2 / 128;
-    const int first = kUnitTokens * u, end = min(first + kUnitTokens, s.n_tok);
-    const int keys_from = max(first, s.n_qk), values_from = max(first, s.n_qv);
-    for (int c = lane; c < (end - keys_from) * kLinesPerRow; c += 32)  // rows of the key residual, in order
-      prefetch_l2(s.kr + int64_t(keys_from - s.n_qk) * D + 64 * c);
-    for (int c = lane; c < (end - values_from) * kLinesPerRow; c += 32) {
-      const int tok = values_from + c / kLinesPerRow;
-      const int row = s.ring ? tok % s.vr_rows : tok - s.n_qv;
-      prefetch_l2(s.vr + int64_t(row) * D + 64 * (c % kLinesPerRow));
     }
   }
 
@@ -399,10 +383,10 @@ struct Decode {
     const int per_split = (units + a.splits - 1) / a.splits;
     const int first = split * per_split + warp, last = min(split * per_split + per_split, units);
     Stage* stages = static_cast<Stage*>(dynamic_shared()) + 2 * warp;
-    if (first < last) prefetch(s, first, lane), stage(s, first, stages[0], lane);
+    if (first < last) stage(s, first, stages[0], lane);
     copy_commit();
     for (int u = first, n = 0; u < last; u += kWarps, ++n) {
-      if (u + kWarps < last) prefetch(s, u + kWarps, lane), stage(s, u + kWarps, stages[(n + 1) & 1], lane);
+      if (u + kWarps < last) stage(s, u + kWarps, stages[(n + 1) & 1], lane);
       copy_commit();
       copy_wait<1>();  // unit u's copies have landed (the next unit's may still be in flight)
       sync_warp();

@@ -71,8 +71,6 @@ KIVI_DEVICE void copy16(void* shared, const void* global, int bytes) {
   const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(shared));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(global), "r"(bytes));
 }
-// Starts bringing the 128-byte line at `global` into L2 (no register waits for it).
-KIVI_DEVICE void prefetch_l2(const void* global) { asm volatile("prefetch.global.L2 [%0];" ::"l"(global)); }
 KIVI_DEVICE void copy_commit() { asm volatile("cp.async.commit_group;"); }
 // Waits until at most `pending` committed groups of this thread's copies are still in flight.
 template <int pending>
