@@ -4,9 +4,12 @@ rendezvous of its 32 lanes). On the GPU, ``python -m tools.kernel_check`` compar
 and with the Triton kernel; here the GPU build is compiled (CI catches its compile errors) but not run."""
 
 import ctypes
+import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -145,6 +148,24 @@ def test_cpu_tensors_need_the_emulation():
     counts = torch.tensor([[0], [0], [0], [40]], dtype=torch.int32)
     with pytest.raises(ValueError, match="without emulate"):
         cuda_decode.decode_attention(query, ks.buffers, vs.buffers, counts, CONFIGS["kivi-2"], 0.1, 1)
+
+
+SPLIT_SWEEP = Path(__file__).resolve().parents[2] / "benchmarks" / "2026-12-02-cuda-decode-split-sweep.json"
+
+
+def test_the_default_split_count_is_near_the_best_the_h200_sweep_measured(monkeypatch):
+    """The rule against the committed sweep (tools.kernel_bench --sweep on the H200, 132 SMs): at every size its
+    choice ran within 4% of the best split count measured (at the short contexts of the engine, the best)."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    rows = json.loads(SPLIT_SWEEP.read_text())["sweep"]
+    heads = {"llama2-7b": 32, "gqa-32/8": 8, "qwen2.5-1.5b": 2}
+    for size in {(r["shape"], r["batch"], r["tokens"]) for r in rows}:
+        timed = {r["splits"]: r["cuda2_ms"] for r in rows if (r["shape"], r["batch"], r["tokens"]) == size}
+        shape, batch, tokens = size
+        chosen = cuda_decode.default_num_splits(batch, heads[shape], tokens, torch.device("cuda"))
+        assert timed[chosen] <= 1.04 * min(timed.values()), (size, chosen, timed)
+        if tokens <= 1024:
+            assert timed[chosen] <= 1.005 * min(timed.values()), (size, chosen, timed)
 
 
 @pytest.mark.skipif(not shutil.which("nvcc"), reason="nvcc is not installed: the GPU build is not compiled here")

@@ -41,7 +41,11 @@ CACHES = ("fp16", "kivi-k2v2-g32-r128")
 def cluster(s3_server, tmp_path_factory):
     """Head (with the dashboard, for jobs and the state API) and two worker nodes; this process is its driver."""
     ray.shutdown()  # a Ray client of another test's cluster
-    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+    # Ray writes the cluster's address to $RAY_TMPDIR/ray/ray_current_cluster whatever the nodes' temp_dir, and makes
+    # that folder only for a node started there: on a machine where no Ray ever ran, the head would fail to start.
+    ray_tmpdir = tmp_path_factory.mktemp("ray-tmpdir")
+    (ray_tmpdir / "ray").mkdir()
+    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(ray_tmpdir),
            # Nodes run this interpreter's environment: a submitted job's `python` is this one.
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            # Task states reach the state API within 0.1 s (default 1 s): the node-loss test sees what runs now.
