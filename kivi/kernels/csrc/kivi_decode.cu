@@ -4,8 +4,9 @@
 // kernel of kivi/kernels/decode_attention.py computes the same function and serves every case this one refuses.
 //
 // Work: a block of 4 warps per (sequence, KV head, split); each warp takes units of 2 key groups (64 tokens) in
-// turn, keeps its own online softmax, and the block merges its warps at the end (splits > 1: partial results and
-// log-sum-exps, merged by kivi.kernels._triton.merge_splits).
+// turn, keeps its own online softmax, and the block merges its warps at the end. With splits > 1 each block writes
+// its partial result and log-sum-exp, and the last block of a (sequence, KV head) to finish merges them (a counter
+// per pair, which that block sets back to zero): no second kernel.
 //
 // Products on the tensor cores (mma m16n8k16, fp16 operands, fp32 accumulators), all query heads of a KV head
 // (up to 8) in one product's N columns:
@@ -40,6 +41,7 @@ struct Args {
   void* out;          // splits == 1: [B, Hq, D] fp16 or fp32 (out_f32), strides stride_ob, stride_oh, 1
   float* part;        // splits > 1: fp32 [B, Hq, splits, D], each split normalized by its own sum
   float* lse;         // splits > 1: fp32 [B, Hq, splits], log2 of each split's sum of 2^logits (-inf: no token)
+  int* done;          // splits > 1: int32 [B * Hkv], zero; the splits of (b, h) that have written, back to 0 after
   const uint32_t* kc;  // [B, Hkv, kc_rows, D] key codes (tokens w * cpw .. of channel d in word (w, d))
   const uint16_t* ks;  // [B, Hkv, ks_rows, D] key scales, one per (group of 32 tokens, channel)
   const uint16_t* kz;
@@ -105,6 +107,7 @@ struct Decode {
   // The block's merge of its warps, in the same shared memory once every warp is done.
   struct Merge {
     float o[kWarps][8][D], m[kWarps][8], l[kWarps][8];
+    int last;  // splits > 1: this block is the last of its (sequence, KV head) to finish
   };
   static constexpr int kSharedBytes = int(sizeof(Stage)) * 2 * kWarps > int(sizeof(Merge))
                                           ? int(sizeof(Stage)) * 2 * kWarps : int(sizeof(Merge));
@@ -129,9 +132,9 @@ struct Decode {
   }
 
   // fp16 pair (q * s) as its hi or lo part: hi = fp16(q * s), lo = fp16(q * s - hi), exact for fp16 q and s.
-  static KIVI_DEVICE uint32_t part(uint32_t q, uint32_t s, bool lo) {
-    const uint32_t hi = hmul2(q, s);
-    return lo ? hfma2(q, s, hi ^ kSign) : hi;
+  // lo_mask: all ones for the lo part, else 0 (q * s + 0 is hi): three instructions and no select.
+  static KIVI_DEVICE uint32_t part(uint32_t q, uint32_t s, uint32_t lo_mask) {
+    return hfma2(q, s, (hmul2(q, s) ^ kSign) & lo_mask);
   }
 
   struct Sequence {
@@ -181,13 +184,15 @@ struct Decode {
   }
 
   // Raw logits q . k of the group's 32 tokens: out[jj][nt][r] for rows g (r = 0) and g + 8 (r = 1) of product jj,
-  // head 4 nt + t, where lane = 4 g + t.
+  // head 4 nt + t, where lane = 4 g + t. kPlain: the group is quantized (no test, no full-precision path).
+  template <bool kPlain>
   static KIVI_DEVICE void group_logits(const Sequence& s, const Stage& st, const uint32_t (&q2)[NT][kSteps][2], int u,
                                        int i, int g, int t, float (&out)[2][NT][2]) {
+    const uint32_t lo_mask = g & 1 ? ~0u : 0u;
     const bool lo = g & 1;
     const int group = kUnitGroups * u + i;
     float acc[2][NT][4] = {};
-    if ((group + 1) * kGroup <= s.n_qk) {  // a quantized key group, staged
+    if (kPlain || (group + 1) * kGroup <= s.n_qk) {  // a quantized key group, staged
       float zero_acc[NT][4] = {};
       const uint32_t* words = st.kc + (kRowsPerGroup * i + g % kRowsPerGroup) * D + 4 * t;
       const uint16_t* scale = st.ks + i * D + 4 * t;
@@ -207,8 +212,8 @@ struct Decode {
         const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const uint32_t bs[2] = {part(q2[nt][k][0], sc.x, lo), part(q2[nt][k][1], sc.y, lo)};
-          const uint32_t bz[2] = {part(q2[nt][k][0], ze.x, lo), part(q2[nt][k][1], ze.y, lo)};
+          const uint32_t bs[2] = {part(q2[nt][k][0], sc.x, lo_mask), part(q2[nt][k][1], sc.y, lo_mask)};
+          const uint32_t bz[2] = {part(q2[nt][k][0], ze.x, lo_mask), part(q2[nt][k][1], ze.y, lo_mask)};
           mma_16816(zero_acc[nt], ones, bz);
           mma_16816(acc[0][nt], a0, bs);
           mma_16816(acc[1][nt], a1, bs);
@@ -221,7 +226,7 @@ struct Decode {
           acc[0][nt][i] += zero_acc[nt][i];
           acc[1][nt][i] = acc[1][nt][i] * (kLifted ? 1.f / 256 : 1.f) + zero_acc[nt][i];
         }
-    } else {  // full-precision keys: the residual (tokens past n_tok read nothing)
+    } else if (!kPlain) {  // full-precision keys: the residual (tokens past n_tok read nothing)
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
         const int t0 = token(group, jj, g), t1 = token(group, jj, g + 8);
@@ -254,7 +259,8 @@ struct Decode {
   }
 
   // o += V^T P^T over the 16 tokens of key product jj of a group; p: the probabilities of the lane's rows g and
-  // g + 8 for head 4 nt + t, as fp16 pairs.
+  // g + 8 for head 4 nt + t, as fp16 pairs. kPlain: every value of the unit is quantized.
+  template <bool kPlain>
   static KIVI_DEVICE void group_values(const Sequence& s, const Stage& st, const uint32_t (&p)[NT], int u, int group,
                                        int jj, int g, int t, float (&o)[kValueTiles][4]) {
     // Right operand: P^T rows (tokens) 2t, 2t+1, 2t+8, 2t+9, column g (head g): from the lanes holding those key
@@ -274,11 +280,11 @@ struct Decode {
     bool quant[4], full[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      quant[e] = tok[e] < s.n_qv;
+      quant[e] = kPlain || tok[e] < s.n_qv;
       full[e] = !quant[e] && tok[e] < s.n_tok;
     }
-    const bool any_quant = warp_any(quant[0] || quant[1] || quant[2] || quant[3]);
-    const bool any_full = warp_any(full[0] || full[1] || full[2] || full[3]);
+    const bool any_quant = kPlain || warp_any(quant[0] || quant[1] || quant[2] || quant[3]);
+    const bool any_full = !kPlain && warp_any(full[0] || full[1] || full[2] || full[3]);
 #pragma unroll
     for (int wb = 0; wb < kWordBlocks; ++wb) {
       const int word = 8 * wb + g;  // channels word * cpw .. + cpw - 1
@@ -336,8 +342,86 @@ struct Decode {
     }
   }
 
+  // cap * tanh(x / cap) in log2 units (soft-capping).
   static KIVI_DEVICE float soft_cap(float x, float cap) {
-    return cap > 0.f ? cap - 2.f * cap / (1.f + fast_exp2(x * (2.f * 1.4426950408889634f / cap))) : x;
+    return cap - 2.f * cap / (1.f + fast_exp2(x * (2.f * 1.4426950408889634f / cap)));
+  }
+
+  // Unit u (its quantized data staged in st) into the warp's online softmax m, l and accumulators o. kPlain: every
+  // key and value of the unit is quantized (so every token is in the sequence): the common case, with no test per
+  // token and no full-precision path in its code.
+  template <bool kPlain>
+  static KIVI_DEVICE void unit(const Args& a, const Sequence& s, const Stage& st, const uint32_t (&q2)[NT][kSteps][2],
+                               int u, int g, int t, float (&m)[NT], float (&l)[NT], float (&o)[kValueTiles][4]) {
+    float x[kUnitGroups][2][NT][2];
+#pragma unroll
+    for (int i = 0; i < kUnitGroups; ++i) group_logits<kPlain>(s, st, q2, u, i, g, t, x[i]);
+    const bool capped = a.cap > 0.f;
+#pragma unroll
+    for (int i = 0; i < kUnitGroups; ++i)
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float& y = x[i][jj][nt][r];
+            y *= a.qk_scale;
+            if (capped) y = soft_cap(y, a.cap);
+            if (!kPlain && token(kUnitGroups * u + i, jj, g + 8 * r) >= s.n_tok) y = -INFINITY;
+          }
+    float top[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      top[nt] = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < kUnitGroups; ++i)
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) top[nt] = fmaxf(top[nt], fmaxf(x[i][jj][nt][0], x[i][jj][nt][1]));
+    }
+    float alpha[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      top[nt] = fmaxf(top[nt], shfl_xor(top[nt], 4));
+      top[nt] = fmaxf(top[nt], shfl_xor(top[nt], 8));
+      top[nt] = fmaxf(top[nt], shfl_xor(top[nt], 16));
+      const float m_new = fmaxf(m[nt], top[nt]);
+      alpha[nt] = fast_exp2(m[nt] - m_new);
+      m[nt] = m_new;
+      l[nt] *= alpha[nt];
+    }
+    // The accumulators' columns are heads 2t and 2t + 1: their factors come from lanes t' = head % 4. Past the
+    // first units the maximum seldom moves: then there is nothing to rescale.
+    bool moved = false;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) moved |= alpha[nt] != 1.f;
+    if (warp_any(moved)) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int head = 2 * t + e;
+        float factor = 1.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float y = shfl(alpha[nt], head % 4);
+          if (head / 4 == nt) factor = y;
+        }
+#pragma unroll
+        for (int mi = 0; mi < kValueTiles; ++mi) o[mi][e] *= factor, o[mi][2 + e] *= factor;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kUnitGroups; ++i)
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        uint32_t p[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float p0 = fast_exp2(x[i][jj][nt][0] - m[nt]), p1 = fast_exp2(x[i][jj][nt][1] - m[nt]);
+          l[nt] += p0 + p1;
+          p[nt] = pack_half2(p0, p1);
+        }
+        group_values<kPlain>(s, st, p, u, kUnitGroups * u + i, jj, g, t, o);
+      }
   }
 
   static KIVI_DEVICE void run(const Args& a) {
@@ -390,62 +474,11 @@ struct Decode {
       copy_commit();
       copy_wait<1>();  // unit u's copies have landed (the next unit's may still be in flight)
       sync_warp();
-      const Stage& st = stages[n & 1];
-      float x[kUnitGroups][2][NT][2];
-#pragma unroll
-      for (int i = 0; i < kUnitGroups; ++i) group_logits(s, st, q2, u, i, g, t, x[i]);
-      float top[NT];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) top[nt] = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < kUnitGroups; ++i)
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const float y = soft_cap(x[i][jj][nt][r] * a.qk_scale, a.cap);
-              x[i][jj][nt][r] = token(kUnitGroups * u + i, jj, g + 8 * r) < s.n_tok ? y : -INFINITY;
-              top[nt] = fmaxf(top[nt], x[i][jj][nt][r]);
-            }
-      float alpha[NT];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        top[nt] = fmaxf(top[nt], shfl_xor(top[nt], 4));
-        top[nt] = fmaxf(top[nt], shfl_xor(top[nt], 8));
-        top[nt] = fmaxf(top[nt], shfl_xor(top[nt], 16));
-        const float m_new = fmaxf(m[nt], top[nt]);
-        alpha[nt] = fast_exp2(m[nt] - m_new);
-        m[nt] = m_new;
-        l[nt] *= alpha[nt];
-      }
-      // The accumulators' columns are heads 2t and 2t + 1: their factors come from lanes t' = head % 4.
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int head = 2 * t + e;
-        float factor = 1.f;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const float y = shfl(alpha[nt], head % 4);
-          if (head / 4 == nt) factor = y;
-        }
-#pragma unroll
-        for (int mi = 0; mi < kValueTiles; ++mi) o[mi][e] *= factor, o[mi][2 + e] *= factor;
-      }
-#pragma unroll
-      for (int i = 0; i < kUnitGroups; ++i)
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          uint32_t p[NT];
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const float p0 = fast_exp2(x[i][jj][nt][0] - m[nt]), p1 = fast_exp2(x[i][jj][nt][1] - m[nt]);
-            l[nt] += p0 + p1;
-            p[nt] = pack_half2(p0, p1);
-          }
-          group_values(s, st, p, u, kUnitGroups * u + i, jj, g, t, o);
-        }
+      // Warp-uniform: a unit below both quantized counts takes the plain path.
+      if ((u + 1) * kUnitTokens <= min(s.n_qk, s.n_qv))
+        unit<true>(a, s, stages[n & 1], q2, u, g, t, m, l, o);
+      else
+        unit<false>(a, s, stages[n & 1], q2, u, g, t, m, l, o);
       sync_warp();  // every lane is done with this stage before it is refilled
     }
 
@@ -491,17 +524,48 @@ struct Decode {
       }
       const int qh = h * hg + head;
       if (a.splits == 1) {
-        const int64_t at = b * a.stride_ob + qh * a.stride_oh + c;
-        if (a.out_f32)
-          static_cast<float*>(a.out)[at] = acc / sum;
-        else
-          static_cast<uint16_t*>(a.out)[at] = float_to_half(acc / sum);
+        store(a, b, qh, c, acc / sum);
       } else {
         const int64_t row = (int64_t(b) * a.q_heads + qh) * a.splits + split;
         a.part[row * D + c] = sum > 0.f ? acc / sum : 0.f;
         if (c == 0) a.lse[row] = sum > 0.f ? top + fast_log2(sum) : -INFINITY;
       }
     }
+    if (a.splits == 1) return;
+
+    // The last block of (b, h) to write its partials merges every split's (read from L2: other multiprocessors
+    // wrote them), then sets the counter back to zero for the next launch.
+    fence_global();  // this block's partials are visible everywhere before it counts itself
+    sync_block();
+    if (threadIdx.x == 0) {
+      merge.last = atomic_add(a.done + bh, 1) == a.splits - 1;
+      fence_global();
+    }
+    sync_block();
+    if (!merge.last) return;
+    for (int i = threadIdx.x; i < hg * D; i += kWarps * 32) {
+      const int head = i / D, c = i % D, qh = h * hg + head;
+      const int64_t rows = (int64_t(b) * a.q_heads + qh) * a.splits;
+      float top = -INFINITY;
+      for (int sp = 0; sp < a.splits; ++sp) top = fmaxf(top, load_l2(a.lse + rows + sp));
+      float sum = 0.f, acc = 0.f;
+      for (int sp = 0; sp < a.splits; ++sp) {
+        const float w = fast_exp2(load_l2(a.lse + rows + sp) - top);
+        sum += w;
+        acc += w * load_l2(a.part + (rows + sp) * D + c);
+      }
+      store(a, b, qh, c, acc / sum);
+    }
+    if (threadIdx.x == 0) a.done[bh] = 0;
+  }
+
+  // The output of query head qh of sequence b at channel c, in the output's dtype.
+  static KIVI_DEVICE void store(const Args& a, int b, int qh, int c, float value) {
+    const int64_t at = b * a.stride_ob + qh * a.stride_oh + c;
+    if (a.out_f32)
+      static_cast<float*>(a.out)[at] = value;
+    else
+      static_cast<uint16_t*>(a.out)[at] = float_to_half(value);
   }
 };
 
