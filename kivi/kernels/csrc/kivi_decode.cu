@@ -347,38 +347,38 @@ struct Decode {
     return cap - 2.f * cap / (1.f + fast_exp2(x * (2.f * 1.4426950408889634f / cap)));
   }
 
-  // Unit u (its quantized data staged in st) into the warp's online softmax m, l and accumulators o. kPlain: every
-  // key and value of the unit is quantized (so every token is in the sequence): the common case, with no test per
-  // token and no full-precision path in its code.
+  // Unit u (its quantized data staged in st) into the warp's online softmax m, l and accumulators o, a key group
+  // at a time: the loop stays rolled, so the code a warp runs per group is half a unit's (it was fetched from
+  // further than the instruction cache). kPlain: every key and value of the unit is quantized (so every token is in
+  // the sequence): the common case, with no test per token and no full-precision path in its code.
   template <bool kPlain>
   static KIVI_DEVICE void unit(const Args& a, const Sequence& s, const Stage& st, const uint32_t (&q2)[NT][kSteps][2],
                                int u, int g, int t, float (&m)[NT], float (&l)[NT], float (&o)[kValueTiles][4]) {
-    float x[kUnitGroups][2][NT][2];
-#pragma unroll
-    for (int i = 0; i < kUnitGroups; ++i) group_logits<kPlain>(s, st, q2, u, i, g, t, x[i]);
+#pragma unroll 1
+    for (int i = 0; i < kUnitGroups; ++i) group<kPlain>(a, s, st, q2, u, i, g, t, m, l, o);
+  }
+
+  template <bool kPlain>
+  static KIVI_DEVICE void group(const Args& a, const Sequence& s, const Stage& st, const uint32_t (&q2)[NT][kSteps][2],
+                                int u, int i, int g, int t, float (&m)[NT], float (&l)[NT], float (&o)[kValueTiles][4]) {
+    float x[2][NT][2];
+    group_logits<kPlain>(s, st, q2, u, i, g, t, x);
     const bool capped = a.cap > 0.f;
 #pragma unroll
-    for (int i = 0; i < kUnitGroups; ++i)
+    for (int jj = 0; jj < 2; ++jj)
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float& y = x[i][jj][nt][r];
-            y *= a.qk_scale;
-            if (capped) y = soft_cap(y, a.cap);
-            if (!kPlain && token(kUnitGroups * u + i, jj, g + 8 * r) >= s.n_tok) y = -INFINITY;
-          }
+        for (int r = 0; r < 2; ++r) {
+          float& y = x[jj][nt][r];
+          y *= a.qk_scale;
+          if (capped) y = soft_cap(y, a.cap);
+          if (!kPlain && token(kUnitGroups * u + i, jj, g + 8 * r) >= s.n_tok) y = -INFINITY;
+        }
     float top[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      top[nt] = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < kUnitGroups; ++i)
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) top[nt] = fmaxf(top[nt], fmaxf(x[i][jj][nt][0], x[i][jj][nt][1]));
-    }
+    for (int nt = 0; nt < NT; ++nt)
+      top[nt] = fmaxf(fmaxf(x[0][nt][0], x[0][nt][1]), fmaxf(x[1][nt][0], x[1][nt][1]));
     float alpha[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -410,18 +410,16 @@ struct Decode {
       }
     }
 #pragma unroll
-    for (int i = 0; i < kUnitGroups; ++i)
+    for (int jj = 0; jj < 2; ++jj) {
+      uint32_t p[NT];
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        uint32_t p[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const float p0 = fast_exp2(x[i][jj][nt][0] - m[nt]), p1 = fast_exp2(x[i][jj][nt][1] - m[nt]);
-          l[nt] += p0 + p1;
-          p[nt] = pack_half2(p0, p1);
-        }
-        group_values<kPlain>(s, st, p, u, kUnitGroups * u + i, jj, g, t, o);
+      for (int nt = 0; nt < NT; ++nt) {
+        const float p0 = fast_exp2(x[jj][nt][0] - m[nt]), p1 = fast_exp2(x[jj][nt][1] - m[nt]);
+        l[nt] += p0 + p1;
+        p[nt] = pack_half2(p0, p1);
       }
+      group_values<kPlain>(s, st, p, u, kUnitGroups * u + i, jj, g, t, o);
+    }
   }
 
   static KIVI_DEVICE void run(const Args& a) {
