@@ -1,8 +1,7 @@
 """The CUDA C++ decode attention (``csrc/kivi_decode.cu``): the GPU fast path beside the Triton kernel.
 
 Same inputs and outputs as ``kivi.kernels.decode_attention.decode_attention`` (buffers in kivi.quant's layout,
-device counts; split partials merged inside the kernel, by the last split of each pair to finish), for the layouts
-it serves (``unsupported``):
+device counts, split partials merged by the same merge kernel), for the layouts it serves (``unsupported``):
 fp16, 2- or 4-bit keys and values alike, groups of 32, head sizes 128 and 256, up to 8 query heads per KV head,
 no sinks, compute capability 8.0 or newer. Built with nvcc for the device's architecture at first use, cached
 under ``$KIVI_KERNEL_CACHE`` (default ``~/.cache/kivi-eval/kernels``), loaded with ctypes and launched on the
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kivi.config import KiviConfig
-from kivi.kernels._triton import LOG2E, log2_cap, split_targets
+from kivi.kernels._triton import LOG2E, log2_cap, merge_splits, split_targets
 from kivi.kernels.buffers import check_decode_buffers
 from kivi.quant import StreamBuffers
 
@@ -39,8 +38,8 @@ MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with fp32 accumulators
 class _Args(ctypes.Structure):
     """csrc/kivi_decode.cu's Args: same fields, same order."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("q", "out", "part", "lse", "done", "kc", "ks", "kz", "kr", "vc", "vs",
-                                                     "vz", "vr", "counts")] + \
+    _fields_ = [(name, ctypes.c_void_p) for name in ("q", "out", "part", "lse", "kc", "ks", "kz", "kr", "vc", "vs", "vz",
+                                                     "vr", "counts")] + \
         [(name, ctypes.c_int) for name in ("batch", "kv_heads", "q_heads", "splits")] + \
         [("qk_scale", ctypes.c_float), ("cap", ctypes.c_float)] + \
         [(name, ctypes.c_int64) for name in ("stride_qb", "stride_qh", "stride_ob", "stride_oh")] + \
@@ -170,18 +169,6 @@ def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch
     return max(1, 2 * sms // pairs, min(-(-8 * sms // pairs), units // (4 * WARPS)))
 
 
-_DONE: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, pairs: int) -> torch.Tensor:
-    """The kernel's count of finished splits per (sequence, KV head): zero between launches (the last split of a pair
-    sets its counter back), so one buffer per device serves every launch of the stream that decodes there."""
-    have = _DONE.get(device)
-    if have is None or have.numel() < pairs:
-        have = _DONE[device] = torch.zeros(max(pairs, 1024), dtype=torch.int32, device=device)
-    return have
-
-
 def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, counts: torch.Tensor,
                      config: KiviConfig, scaling: float, num_splits: int, out: torch.Tensor | None = None,
                      v_ring: bool = False, softcap: float | None = None, emulate: bool = False) -> torch.Tensor:
@@ -205,10 +192,9 @@ def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuf
         raise ValueError("cuda decode_attention: cache buffers must be 16-byte aligned")
     part, lse = split_targets(out, num_splits)
     batch, q_heads, _, dim = query.shape
-    done = split_counters(query.device, batch * kv_heads)
     kq, vq = keys.packed, values.packed
     args = _Args(
-        query.data_ptr(), out.data_ptr(), part.data_ptr(), lse.data_ptr(), done.data_ptr(),
+        query.data_ptr(), out.data_ptr(), part.data_ptr(), lse.data_ptr(),
         kq.codes.data_ptr(), kq.scale.data_ptr(), kq.zero.data_ptr(), keys.resid.data_ptr(),
         vq.codes.data_ptr(), vq.scale.data_ptr(), vq.zero.data_ptr(), values.resid.data_ptr(), counts.data_ptr(),
         batch, kv_heads, q_heads, num_splits, scaling * LOG2E, log2_cap(softcap),
@@ -227,4 +213,6 @@ def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuf
     if code:
         reason = "a shape it does not serve" if code == -1 else lib.kivi_decode_error(code).decode()
         raise RuntimeError(f"cuda decode_attention: launch failed: {reason}")
+    if num_splits > 1:
+        merge_splits(part, lse, out)
     return out

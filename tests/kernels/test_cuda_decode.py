@@ -64,17 +64,6 @@ def test_the_cuda_kernel_matches_the_oracle(heads, config, num_splits):
     assert relative_error(out, reference_decode(query, ks, vs, query.shape[-1] ** -0.5)) <= TOLERANCE
 
 
-def test_the_last_split_merges_and_sets_the_counters_back_to_zero():
-    """Splits merge inside the kernel: the last block of each (sequence, KV head) to finish combines them, counted
-    in a buffer that must be all zeros again after every launch, or the next launch would merge too early."""
-    query, ks, vs = random_case(HEADS["GQA 12/2x128 (Qwen2.5-1.5B)"], LENGTHS, CONFIGS["kivi-2"], seed=5)
-    pairs = len(LENGTHS) * 2
-    first = emulated(query, ks, vs, CONFIGS["kivi-2"], num_splits=4)
-    assert not cuda_decode.split_counters(torch.device("cpu"), pairs)[:pairs].any()
-    assert torch.equal(emulated(query, ks, vs, CONFIGS["kivi-2"], num_splits=4), first)
-    assert relative_error(first, reference_decode(query, ks, vs, query.shape[-1] ** -0.5)) <= TOLERANCE
-
-
 def test_the_cuda_kernel_soft_caps_and_rounds_to_fp16():
     config = KiviConfig(residual_length=32)
     query, ks, vs = random_case(HEADS["GQA 12/2x128 (Qwen2.5-1.5B)"], [97, 260], config, seed=3)

@@ -234,15 +234,6 @@ KIVI_DEVICE void sync_warp() {
   emu::warp_meet(&none, 0);
 }
 
-// Blocks run one after another: memory is coherent, a counter is a plain one.
-KIVI_DEVICE void fence_global() {}
-KIVI_DEVICE int atomic_add(int* p, int v) {
-  const int old = *p;
-  *p += v;
-  return old;
-}
-KIVI_DEVICE float load_l2(const float* p) { return *p; }
-
 KIVI_DEVICE void* dynamic_shared() {
   alignas(16) static char memory[256 * 1024];
   return memory;

@@ -4,9 +4,8 @@
 // kernel of kivi/kernels/decode_attention.py computes the same function and serves every case this one refuses.
 //
 // Work: a block of 4 warps per (sequence, KV head, split); each warp takes units of 2 key groups (64 tokens) in
-// turn, keeps its own online softmax, and the block merges its warps at the end. With splits > 1 each block writes
-// its partial result and log-sum-exp, and the last block of a (sequence, KV head) to finish merges them (a counter
-// per pair, which that block sets back to zero): no second kernel.
+// turn, keeps its own online softmax, and the block merges its warps at the end (splits > 1: partial results and
+// log-sum-exps, merged by kivi.kernels._triton.merge_splits).
 //
 // Products on the tensor cores (mma m16n8k16, fp16 operands, fp32 accumulators), all query heads of a KV head
 // (up to 8) in one product's N columns:
@@ -41,7 +40,6 @@ struct Args {
   void* out;          // splits == 1: [B, Hq, D] fp16 or fp32 (out_f32), strides stride_ob, stride_oh, 1
   float* part;        // splits > 1: fp32 [B, Hq, splits, D], each split normalized by its own sum
   float* lse;         // splits > 1: fp32 [B, Hq, splits], log2 of each split's sum of 2^logits (-inf: no token)
-  int* done;          // splits > 1: int32 [B * Hkv], zero; the splits of (b, h) that have written, back to 0 after
   const uint32_t* kc;  // [B, Hkv, kc_rows, D] key codes (tokens w * cpw .. of channel d in word (w, d))
   const uint16_t* ks;  // [B, Hkv, ks_rows, D] key scales, one per (group of 32 tokens, channel)
   const uint16_t* kz;
@@ -107,7 +105,6 @@ struct Decode {
   // The block's merge of its warps, in the same shared memory once every warp is done.
   struct Merge {
     float o[kWarps][8][D], m[kWarps][8], l[kWarps][8];
-    int last;  // splits > 1: this block is the last of its (sequence, KV head) to finish
   };
   static constexpr int kSharedBytes = int(sizeof(Stage)) * 2 * kWarps > int(sizeof(Merge))
                                           ? int(sizeof(Stage)) * 2 * kWarps : int(sizeof(Merge));
@@ -522,48 +519,17 @@ struct Decode {
       }
       const int qh = h * hg + head;
       if (a.splits == 1) {
-        store(a, b, qh, c, acc / sum);
+        const int64_t at = b * a.stride_ob + qh * a.stride_oh + c;
+        if (a.out_f32)
+          static_cast<float*>(a.out)[at] = acc / sum;
+        else
+          static_cast<uint16_t*>(a.out)[at] = float_to_half(acc / sum);
       } else {
         const int64_t row = (int64_t(b) * a.q_heads + qh) * a.splits + split;
         a.part[row * D + c] = sum > 0.f ? acc / sum : 0.f;
         if (c == 0) a.lse[row] = sum > 0.f ? top + fast_log2(sum) : -INFINITY;
       }
     }
-    if (a.splits == 1) return;
-
-    // The last block of (b, h) to write its partials merges every split's (read from L2: other multiprocessors
-    // wrote them), then sets the counter back to zero for the next launch.
-    fence_global();  // this block's partials are visible everywhere before it counts itself
-    sync_block();
-    if (threadIdx.x == 0) {
-      merge.last = atomic_add(a.done + bh, 1) == a.splits - 1;
-      fence_global();
-    }
-    sync_block();
-    if (!merge.last) return;
-    for (int i = threadIdx.x; i < hg * D; i += kWarps * 32) {
-      const int head = i / D, c = i % D, qh = h * hg + head;
-      const int64_t rows = (int64_t(b) * a.q_heads + qh) * a.splits;
-      float top = -INFINITY;
-      for (int sp = 0; sp < a.splits; ++sp) top = fmaxf(top, load_l2(a.lse + rows + sp));
-      float sum = 0.f, acc = 0.f;
-      for (int sp = 0; sp < a.splits; ++sp) {
-        const float w = fast_exp2(load_l2(a.lse + rows + sp) - top);
-        sum += w;
-        acc += w * load_l2(a.part + (rows + sp) * D + c);
-      }
-      store(a, b, qh, c, acc / sum);
-    }
-    if (threadIdx.x == 0) a.done[bh] = 0;
-  }
-
-  // The output of query head qh of sequence b at channel c, in the output's dtype.
-  static KIVI_DEVICE void store(const Args& a, int b, int qh, int c, float value) {
-    const int64_t at = b * a.stride_ob + qh * a.stride_oh + c;
-    if (a.out_f32)
-      static_cast<float*>(a.out)[at] = value;
-    else
-      static_cast<uint16_t*>(a.out)[at] = float_to_half(value);
   }
 };
 

@@ -79,12 +79,6 @@ KIVI_DEVICE void copy_wait() {
 }
 KIVI_DEVICE void sync_warp() { __syncwarp(); }
 
-// Across blocks: a fence that orders this thread's global writes before its later ones, a counter, a load from L2
-// (another multiprocessor's writes, never a stale line of this one's L1).
-KIVI_DEVICE void fence_global() { __threadfence(); }
-KIVI_DEVICE int atomic_add(int* p, int v) { return atomicAdd(p, v); }
-KIVI_DEVICE float load_l2(const float* p) { return __ldcg(p); }
-
 // The block's dynamic shared memory (launched with the size the kernel asks for).
 KIVI_DEVICE void* dynamic_shared() {
   extern __shared__ uint4 shared_words[];
