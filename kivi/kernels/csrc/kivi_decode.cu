@@ -533,8 +533,10 @@ struct Decode {
   }
 };
 
+// 4-bit codes declare at least one block per multiprocessor: left free, ptxas held the 4-bit kernel of two column
+// tiles at head_dim 128 to 168 registers and spilled; so bounded it takes 176. 0 (none declared) elsewhere.
 template <int BITS, int D, int NT>
-__global__ void __launch_bounds__(kWarps * 32) decode_kernel(const Args a) {
+__global__ void __launch_bounds__(kWarps * 32, BITS == 4 ? 1 : 0) decode_kernel(const Args a) {
   Decode<BITS, D, NT>::run(a);
 }
 
