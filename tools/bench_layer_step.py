@@ -36,7 +36,7 @@ def us(fn) -> float:
 
 
 def layer_parts(slots: int, capacity: int, lengths: torch.Tensor) -> dict[str, float]:
-    q_heads, kv_heads, dim = SHAPE.num_attention_heads, SHAPE.num_key_value_heads, SHAPE.head_dim
+    q_heads, kv_heads, dim = SHAPE.num_attention_heads, SHAPE.num_key_value_heads, SHAPE.hidden_size // SHAPE.num_attention_heads
     keys = torch.randn(slots, kv_heads, int(lengths.max()), dim, device="cuda", dtype=torch.float16)
     keys[..., :: dim // 8] *= 10  # outlier channels, as tools.kernel_data draws them
     values = torch.randn_like(keys)
