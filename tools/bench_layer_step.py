@@ -24,6 +24,7 @@ from transformers import Qwen2Config
 from kivi import backend
 from kivi.config import KiviConfig
 from kivi.kernels import cuda_decode
+from kivi.layout import model_head_dim
 from kivi.slot_cache import SlotCache
 from tools.trees import git_sha
 
@@ -36,7 +37,7 @@ def us(fn) -> float:
 
 
 def layer_parts(slots: int, capacity: int, lengths: torch.Tensor) -> dict[str, float]:
-    q_heads, kv_heads, dim = SHAPE.num_attention_heads, SHAPE.num_key_value_heads, SHAPE.hidden_size // SHAPE.num_attention_heads
+    q_heads, kv_heads, dim = SHAPE.num_attention_heads, SHAPE.num_key_value_heads, model_head_dim(SHAPE)
     keys = torch.randn(slots, kv_heads, int(lengths.max()), dim, device="cuda", dtype=torch.float16)
     keys[..., :: dim // 8] *= 10  # outlier channels, as tools.kernel_data draws them
     values = torch.randn_like(keys)
