@@ -173,6 +173,8 @@ KIVI_DEVICE uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
   return d;
 }
 
+KIVI_DEVICE uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) { return (a & b) | c; }
+
 KIVI_DEVICE uint32_t hsub2(uint32_t a, uint32_t b) {
   return emu::half2_map(a, b, 0, [](double x, double y, double) { return x - y; });
 }

@@ -10,14 +10,15 @@
 // Products on the tensor cores (mma m16n8k16, fp16 operands, fp32 accumulators), all query heads of a KV head
 // (up to 8) in one product's N columns:
 // - keys, S^T = K Q^T: rows are the 32 tokens of one key group (two products of 16), so one scale per channel
-//   serves the whole product. The codes are the left operand, exact small integers; the right operand is
-//   q * s (per channel) split into two fp16 parts, hi and lo, in columns (head, part): near-fp32 logits (rounding
-//   q * s alone to fp16 errs by 2e-3 on keys with outlier channels). The zero term q . z joins the same
-//   accumulators as a product of a matrix of ones with (q * z) hi/lo. Full-precision keys are the left operand
-//   as stored, against q (exact) in the hi columns.
+//   serves the whole product. The codes are the left operand, exact: each masked where it lies in its byte, read
+//   as an fp16 subnormal (code * 2^(BITS * pos - 24)); the right operand is q * s (per channel) split into two
+//   fp16 parts, hi and lo, in columns (head, part): near-fp32 logits (rounding q * s alone to fp16 errs by 2e-3 on
+//   keys with outlier channels). The zero term q . z is a product of a matrix of ones with (q * z) hi/lo, added
+//   once the codes' rows are scaled back. Full-precision keys are the left operand as stored, against q (exact)
+//   in the hi columns.
 //   Row r of a group's product jj is word row RPG * group + r % RPG, code r / RPG + (8 / RPG) * jj (r < 8), and
-//   the code HALF later for r + 8: rows r and r + 8, which one thread holds, are the two 16-bit halves of one
-//   word, so a byte permute of two words (two channels) and one shift give the operand pair.
+//   the code HALF later for r + 8: rows r and r + 8, which one thread holds, lie in bytes jj and jj + 2 of one
+//   word at the same bit, so a byte permute of two words (two channels) and one mask give the operand pair.
 // - values, O^T = V^T P^T: rows are 16 channels (code i and i + HALF of 8 words), columns the heads, K the 16
 //   tokens of one key product, in its row order, so the probabilities move from the key products' accumulators
 //   to the value products' right operand by two shuffles. Values are dequantized into the left operand
@@ -118,21 +119,25 @@ struct Decode {
 
   // Codes at bit `shift` of each 16-bit half of x, as an exact fp16 pair.
   static KIVI_DEVICE uint32_t codes(uint32_t x, int shift) {
-    return hsub2(((x >> shift) & kCodeMask) | kMagic, kMagic);
+    return hsub2(and_or(x >> shift, kCodeMask, kMagic), kMagic);
   }
 
-  // The second key product's codes sit 8 bits above the first's. 2-bit codes stay there: the mantissa of 1024
-  // holds code * 256 exactly, one shift fewer per pair, and the product's results are scaled back by 1/256.
-  static constexpr bool kLifted = BITS + 8 <= 10;
-  static KIVI_DEVICE uint32_t upper_codes(uint32_t x) {
-    return kLifted ? hsub2((x & (kCodeMask << 8)) | kMagic, kMagic) : codes(x, 8);
+  // A key product's operand register: byte `byte` of each of two words (two channels), masked to the lane's code.
+  // The code stays where it lies in its byte, at bit BITS * pos: read as fp16 the pair is code * 2^(BITS * pos)
+  // * 2^-24 (a subnormal, exact; the tensor cores take subnormal operands), so each row of the product is scaled
+  // by the power of two its lane undoes once per group: no shift and no magic-number subtraction per pair.
+  static KIVI_DEVICE uint32_t key_codes(uint32_t x, uint32_t y, int byte, uint32_t lane_mask) {
+    return prmt(x, y, 0x4400u + 0x1111u * byte) & lane_mask;
   }
 
   // fp16 pair (q * s) as its hi or lo part: hi = fp16(q * s), lo = fp16(q * s - hi), exact for fp16 q and s.
-  // lo_mask: all ones for the lo part, else 0 (q * s + 0 is hi): three instructions and no select.
-  static KIVI_DEVICE uint32_t part(uint32_t q, uint32_t s, uint32_t lo_mask) {
-    return hfma2(q, s, (hmul2(q, s) ^ kSign) & lo_mask);
-  }
+  // qn: -q in the lanes of lo parts, else 0 (q * s + 0 is hi): two instructions and no select.
+  static KIVI_DEVICE uint32_t part(uint32_t q, uint32_t qn, uint32_t s) { return hfma2(q, s, hmul2(qn, s)); }
+
+  // The query as the key products' right operand (see run), and its negation in the lanes of lo parts (part).
+  struct Query {
+    uint32_t q[NT][kSteps][2], qn[NT][kSteps][2];
+  };
 
   struct Sequence {
     const uint32_t* kc;
@@ -143,9 +148,39 @@ struct Decode {
     bool ring;
   };
 
-  // Start copying unit u's quantized data into `st`: the key groups that are quantized, the values of tokens
-  // below n_qv (16-byte pieces; a piece of tokens that are not quantized, or past the buffer, is not read).
+  // Unit u holds no full-precision key or value: every unit of a sequence but its last two or three.
+  static KIVI_DEVICE bool plain(const Sequence& s, int u) { return (u + 1) * kUnitTokens <= min(s.n_qk, s.n_qv); }
+
+  // Start copying unit u's quantized data into `st`.
   static KIVI_DEVICE void stage(const Sequence& s, int u, Stage& st, int lane) {
+    if (plain(s, u))
+      stage_plain(s, u, st, lane);
+    else
+      stage_partial(s, u, st, lane);
+  }
+
+  // A plain unit's data is five contiguous runs of whole 16-byte pieces: no bounds.
+  static KIVI_DEVICE void stage_plain(const Sequence& s, int u, Stage& st, int lane) {
+    copy_run<sizeof(st.kc)>(st.kc, s.kc + int64_t(kUnitGroups * kRowsPerGroup * u) * D, lane);
+    copy_run<sizeof(st.ks)>(st.ks, s.ks + int64_t(kUnitGroups * u) * D, lane);
+    copy_run<sizeof(st.kz)>(st.kz, s.kz + int64_t(kUnitGroups * u) * D, lane);
+    copy_run<sizeof(st.vc)>(st.vc, s.vc + int64_t(kUnitTokens * u) * kValueWords, lane);
+    copy_run<sizeof(st.vs)>(st.vs, s.vs + int64_t(kUnitTokens * u) * kValueGroups, lane);
+    copy_run<sizeof(st.vz)>(st.vz, s.vz + int64_t(kUnitTokens * u) * kValueGroups, lane);
+  }
+
+  template <int kBytes>
+  static KIVI_DEVICE void copy_run(void* to, const void* from, int lane) {
+    static_assert(kBytes % (32 * 16) == 0, "whole pieces for every lane");
+    char* shared = static_cast<char*>(to) + 16 * lane;
+    const char* global = static_cast<const char*>(from) + 16 * lane;
+#pragma unroll
+    for (int k = 0; k < kBytes / (32 * 16); ++k) copy16(shared + 32 * 16 * k, global + 32 * 16 * k, 16);
+  }
+
+  // A unit with full-precision rows: the key groups that are quantized, the values of tokens below n_qv (16-byte
+  // pieces; a piece of tokens that are not quantized, or past the buffer, is not read).
+  static KIVI_DEVICE void stage_partial(const Sequence& s, int u, Stage& st, int lane) {
 #pragma unroll
     for (int i = 0; i < kUnitGroups; ++i) {
       const int group = kUnitGroups * u + i;
@@ -183,10 +218,8 @@ struct Decode {
   // Raw logits q . k of the group's 32 tokens: out[jj][nt][r] for rows g (r = 0) and g + 8 (r = 1) of product jj,
   // head 4 nt + t, where lane = 4 g + t. kPlain: the group is quantized (no test, no full-precision path).
   template <bool kPlain>
-  static KIVI_DEVICE void group_logits(const Sequence& s, const Stage& st, const uint32_t (&q2)[NT][kSteps][2], int u,
-                                       int i, int g, int t, float (&out)[2][NT][2]) {
-    const uint32_t lo_mask = g & 1 ? ~0u : 0u;
-    const bool lo = g & 1;
+  static KIVI_DEVICE void group_logits(const Sequence& s, const Stage& st, const Query& q, int u, int i, int g, int t,
+                                       float (&out)[2][NT][2]) {
     const int group = kUnitGroups * u + i;
     float acc[2][NT][4] = {};
     if (kPlain || (group + 1) * kGroup <= s.n_qk) {  // a quantized key group, staged
@@ -194,35 +227,40 @@ struct Decode {
       const uint32_t* words = st.kc + (kRowsPerGroup * i + g % kRowsPerGroup) * D + 4 * t;
       const uint16_t* scale = st.ks + i * D + 4 * t;
       const uint16_t* zero = st.kz + i * D + 4 * t;
-      const int shift = BITS * (g / kRowsPerGroup);
+      // The lane's rows are code pos of byte jj (row g) and byte jj + 2 (row g + 8) of its word row's halves.
+      const int pos = g / kRowsPerGroup;
+      const uint32_t lane_mask = kCodeMask << (BITS * pos);
 #pragma unroll
       for (int k = 0; k < kSteps; ++k) {
         const uint4 w = load<uint4>(words + 16 * k);
         const uint2 sc = load<uint2>(scale + 16 * k);
         const uint2 ze = load<uint2>(zero + 16 * k);
-        // rows g (low halves) and g + 8 (high halves) of channels 4t, 4t+1 (pairs 0, 1) and 4t+2, 4t+3 (2, 3)
-        const uint32_t pairs[4] = {prmt(w.x, w.y, 0x5410) >> shift, prmt(w.x, w.y, 0x7632) >> shift,
-                                   prmt(w.z, w.w, 0x5410) >> shift, prmt(w.z, w.w, 0x7632) >> shift};
-        const uint32_t a0[4] = {codes(pairs[0], 0), codes(pairs[1], 0), codes(pairs[2], 0), codes(pairs[3], 0)};
-        const uint32_t a1[4] = {upper_codes(pairs[0]), upper_codes(pairs[1]), upper_codes(pairs[2]),
-                                upper_codes(pairs[3])};
         const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const uint32_t bs[2] = {part(q2[nt][k][0], sc.x, lo_mask), part(q2[nt][k][1], sc.y, lo_mask)};
-          const uint32_t bz[2] = {part(q2[nt][k][0], ze.x, lo_mask), part(q2[nt][k][1], ze.y, lo_mask)};
+          const uint32_t bz[2] = {part(q.q[nt][k][0], q.qn[nt][k][0], ze.x), part(q.q[nt][k][1], q.qn[nt][k][1], ze.y)};
           mma_16816(zero_acc[nt], ones, bz);
-          mma_16816(acc[0][nt], a0, bs);
-          mma_16816(acc[1][nt], a1, bs);
+        }
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          // rows g (bytes jj) and g + 8 (bytes jj + 2) of channels 4t, 4t+1 (registers 0, 1) and 4t+2, 4t+3 (2, 3)
+          const uint32_t a[4] = {key_codes(w.x, w.y, jj, lane_mask), key_codes(w.x, w.y, jj + 2, lane_mask),
+                                 key_codes(w.z, w.w, jj, lane_mask), key_codes(w.z, w.w, jj + 2, lane_mask)};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint32_t bs[2] = {part(q.q[nt][k][0], q.qn[nt][k][0], sc.x),
+                                    part(q.q[nt][k][1], q.qn[nt][k][1], sc.y)};
+            mma_16816(acc[jj][nt], a, bs);
+          }
         }
       }
+      const float row_scale = exp2f(float(24 - BITS * pos));  // undoes the codes' place and the subnormal's 2^-24
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int jj = 0; jj < 2; ++jj)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          acc[0][nt][i] += zero_acc[nt][i];
-          acc[1][nt][i] = acc[1][nt][i] * (kLifted ? 1.f / 256 : 1.f) + zero_acc[nt][i];
-        }
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[jj][nt][e] = acc[jj][nt][e] * row_scale + zero_acc[nt][e];
     } else if (!kPlain) {  // full-precision keys: the residual (tokens past n_tok read nothing)
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
@@ -240,7 +278,7 @@ struct Decode {
           const uint32_t a[4] = {x0[k].x, x1[k].x, x0[k].y, x1[k].y};
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            const uint32_t bq[2] = {lo ? 0u : q2[nt][k][0], lo ? 0u : q2[nt][k][1]};
+            const uint32_t bq[2] = {g & 1 ? 0u : q.q[nt][k][0], g & 1 ? 0u : q.q[nt][k][1]};
             mma_16816(acc[jj][nt], a, bq);
           }
         }
@@ -349,17 +387,17 @@ struct Decode {
   // further than the instruction cache). kPlain: every key and value of the unit is quantized (so every token is in
   // the sequence): the common case, with no test per token and no full-precision path in its code.
   template <bool kPlain>
-  static KIVI_DEVICE void unit(const Args& a, const Sequence& s, const Stage& st, const uint32_t (&q2)[NT][kSteps][2],
+  static KIVI_DEVICE void unit(const Args& a, const Sequence& s, const Stage& st, const Query& q,
                                int u, int g, int t, float (&m)[NT], float (&l)[NT], float (&o)[kValueTiles][4]) {
 #pragma unroll 1
-    for (int i = 0; i < kUnitGroups; ++i) group<kPlain>(a, s, st, q2, u, i, g, t, m, l, o);
+    for (int i = 0; i < kUnitGroups; ++i) group<kPlain>(a, s, st, q, u, i, g, t, m, l, o);
   }
 
   template <bool kPlain>
-  static KIVI_DEVICE void group(const Args& a, const Sequence& s, const Stage& st, const uint32_t (&q2)[NT][kSteps][2],
+  static KIVI_DEVICE void group(const Args& a, const Sequence& s, const Stage& st, const Query& q,
                                 int u, int i, int g, int t, float (&m)[NT], float (&l)[NT], float (&o)[kValueTiles][4]) {
     float x[2][NT][2];
-    group_logits<kPlain>(s, st, q2, u, i, g, t, x);
+    group_logits<kPlain>(s, st, q, u, i, g, t, x);
     const bool capped = a.cap > 0.f;
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj)
@@ -442,7 +480,7 @@ struct Decode {
 
     // The query as the key products' right operand: lane (g, t) holds column g = (head 4 nt + g / 2, part g % 2)
     // at channels 16 k + 4 t .. + 3, the k-th product's rows 2t, 2t+1 (pair 0) and 2t+8, 2t+9 (pair 1).
-    uint32_t q2[NT][kSteps][2];
+    Query q;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int head = 4 * nt + g / 2;
@@ -450,7 +488,8 @@ struct Decode {
 #pragma unroll
       for (int k = 0; k < kSteps; ++k) {
         const uint2 x = head < hg ? load<uint2>(row + 16 * k) : uint2{0, 0};
-        q2[nt][k][0] = x.x, q2[nt][k][1] = x.y;
+        q.q[nt][k][0] = x.x, q.q[nt][k][1] = x.y;
+        q.qn[nt][k][0] = g & 1 ? x.x ^ kSign : 0u, q.qn[nt][k][1] = g & 1 ? x.y ^ kSign : 0u;
       }
     }
 
@@ -469,11 +508,10 @@ struct Decode {
       copy_commit();
       copy_wait<1>();  // unit u's copies have landed (the next unit's may still be in flight)
       sync_warp();
-      // Warp-uniform: a unit below both quantized counts takes the plain path.
-      if ((u + 1) * kUnitTokens <= min(s.n_qk, s.n_qv))
-        unit<true>(a, s, stages[n & 1], q2, u, g, t, m, l, o);
+      if (plain(s, u))  // warp-uniform
+        unit<true>(a, s, stages[n & 1], q, u, g, t, m, l, o);
       else
-        unit<false>(a, s, stages[n & 1], q2, u, g, t, m, l, o);
+        unit<false>(a, s, stages[n & 1], q, u, g, t, m, l, o);
       sync_warp();  // every lane is done with this stage before it is refilled
     }
 

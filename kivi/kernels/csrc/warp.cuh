@@ -17,6 +17,13 @@ KIVI_DEVICE uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
   return d;
 }
 
+// (a & b) | c in one instruction: written as & and |, ptxas kept two when both masks were constants.
+KIVI_DEVICE uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
 // a op b on fp16 pairs, rounded to nearest: hsub2, hadd2, hmul2.
 #define KIVI_HALF2_BINARY(name, instruction)                       \
   KIVI_DEVICE uint32_t name(uint32_t a, uint32_t b) {              \
