@@ -13,8 +13,8 @@
 //   serves the whole product. The codes are the left operand, exact: each masked where it lies in its byte, read
 //   as an fp16 subnormal (code * 2^(BITS * pos - 24)); the right operand is q * s (per channel) split into two
 //   fp16 parts, hi and lo, in columns (head, part): near-fp32 logits (rounding q * s alone to fp16 errs by 2e-3 on
-//   keys with outlier channels). The zero term q . z is a product of a matrix of ones with (q * z) hi/lo, added
-//   once the codes' rows are scaled back. Full-precision keys are the left operand as stored, against q (exact)
+//   keys with outlier channels). The zero terms q . z of a unit's two groups are one product (zero points
+//   in rows, exact, against -q), added once the codes' rows are scaled back. Full-precision keys are the left operand as stored, against q (exact)
 //   in the hi columns.
 //   Row r of a group's product jj is word row RPG * group + r % RPG, code r / RPG + (8 / RPG) * jj (r < 8), and
 //   the code HALF later for r + 8: rows r and r + 8, which one thread holds, lie in bytes jj and jj + 2 of one
@@ -64,7 +64,6 @@ constexpr int kGroup = 32;       // tokens of a key group, channels of a value g
 constexpr int kWarps = 4;        // warps per block
 constexpr int kUnitGroups = 2;   // key groups a warp takes at a time (one softmax update)
 constexpr uint32_t kMagic = 0x64006400u;  // half2 (1024, 1024): a code OR'd into the mantissa reads 1024 + code
-constexpr uint32_t kOnes = 0x3C003C00u;   // half2 (1, 1)
 constexpr uint32_t kSign = 0x80008000u;
 
 #ifdef KIVI_EMULATE
@@ -218,15 +217,13 @@ struct Decode {
   // Raw logits q . k of the group's 32 tokens: out[jj][nt][r] for rows g (r = 0) and g + 8 (r = 1) of product jj,
   // head 4 nt + t, where lane = 4 g + t. kPlain: the group is quantized (no test, no full-precision path).
   template <bool kPlain>
-  static KIVI_DEVICE void group_logits(const Sequence& s, const Stage& st, const Query& q, int u, int i, int g, int t,
-                                       float (&out)[2][NT][2]) {
+  static KIVI_DEVICE void group_logits(const Sequence& s, const Stage& st, const Query& q, const float (&zero)[NT][4],
+                                       int u, int i, int g, int t, float (&out)[2][NT][2]) {
     const int group = kUnitGroups * u + i;
     float acc[2][NT][4] = {};
     if (kPlain || (group + 1) * kGroup <= s.n_qk) {  // a quantized key group, staged
-      float zero_acc[NT][4] = {};
       const uint32_t* words = st.kc + (kRowsPerGroup * i + g % kRowsPerGroup) * D + 4 * t;
       const uint16_t* scale = st.ks + i * D + 4 * t;
-      const uint16_t* zero = st.kz + i * D + 4 * t;
       // The lane's rows are code pos of byte jj (row g) and byte jj + 2 (row g + 8) of its word row's halves.
       const int pos = g / kRowsPerGroup;
       const uint32_t lane_mask = kCodeMask << (BITS * pos);
@@ -234,13 +231,6 @@ struct Decode {
       for (int k = 0; k < kSteps; ++k) {
         const uint4 w = load<uint4>(words + 16 * k);
         const uint2 sc = load<uint2>(scale + 16 * k);
-        const uint2 ze = load<uint2>(zero + 16 * k);
-        const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const uint32_t bz[2] = {part(q.q[nt][k][0], q.qn[nt][k][0], ze.x), part(q.q[nt][k][1], q.qn[nt][k][1], ze.y)};
-          mma_16816(zero_acc[nt], ones, bz);
-        }
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
           // rows g (bytes jj) and g + 8 (bytes jj + 2) of channels 4t, 4t+1 (registers 0, 1) and 4t+2, 4t+3 (2, 3)
@@ -256,31 +246,35 @@ struct Decode {
       }
       const float row_scale = exp2f(float(24 - BITS * pos));  // undoes the codes' place and the subnormal's 2^-24
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj)
+      for (int nt = 0; nt < NT; ++nt) {
+        const float zero_term = -shfl(zero[nt][1], 4 * i + t);  // q . z of the group, from row i of `zero`
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[jj][nt][e] = acc[jj][nt][e] * row_scale + zero_acc[nt][e];
-    } else if (!kPlain) {  // full-precision keys: the residual (tokens past n_tok read nothing)
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        const int t0 = token(group, jj, g), t1 = token(group, jj, g + 8);
-        const uint16_t* k0 = s.kr + int64_t(t0 - s.n_qk) * D + 4 * t;
-        const uint16_t* k1 = s.kr + int64_t(t1 - s.n_qk) * D + 4 * t;
-        uint2 x0[kSteps], x1[kSteps];  // every load first: one wait, not one per product
-#pragma unroll
-        for (int k = 0; k < kSteps; ++k) {
-          x0[k] = t0 < s.n_tok ? load<uint2>(k0 + 16 * k) : uint2{0, 0};
-          x1[k] = t1 < s.n_tok ? load<uint2>(k1 + 16 * k) : uint2{0, 0};
+        for (int jj = 0; jj < 2; ++jj) {
+          out[jj][nt][0] = (acc[jj][nt][0] + acc[jj][nt][1]) * row_scale + zero_term;
+          out[jj][nt][1] = (acc[jj][nt][2] + acc[jj][nt][3]) * row_scale + zero_term;
         }
+      }
+      return;
+    }
+    // Full-precision keys: the residual (tokens past n_tok read nothing).
 #pragma unroll
-        for (int k = 0; k < kSteps; ++k) {
-          const uint32_t a[4] = {x0[k].x, x1[k].x, x0[k].y, x1[k].y};
+    for (int jj = 0; jj < 2; ++jj) {
+      const int t0 = token(group, jj, g), t1 = token(group, jj, g + 8);
+      const uint16_t* k0 = s.kr + int64_t(t0 - s.n_qk) * D + 4 * t;
+      const uint16_t* k1 = s.kr + int64_t(t1 - s.n_qk) * D + 4 * t;
+      uint2 x0[kSteps], x1[kSteps];  // every load first: one wait, not one per product
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint32_t bq[2] = {g & 1 ? 0u : q.q[nt][k][0], g & 1 ? 0u : q.q[nt][k][1]};
-            mma_16816(acc[jj][nt], a, bq);
-          }
+      for (int k = 0; k < kSteps; ++k) {
+        x0[k] = t0 < s.n_tok ? load<uint2>(k0 + 16 * k) : uint2{0, 0};
+        x1[k] = t1 < s.n_tok ? load<uint2>(k1 + 16 * k) : uint2{0, 0};
+      }
+#pragma unroll
+      for (int k = 0; k < kSteps; ++k) {
+        const uint32_t a[4] = {x0[k].x, x1[k].x, x0[k].y, x1[k].y};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint32_t bq[2] = {g & 1 ? 0u : q.q[nt][k][0], g & 1 ? 0u : q.q[nt][k][1]};
+          mma_16816(acc[jj][nt], a, bq);
         }
       }
     }
@@ -389,15 +383,33 @@ struct Decode {
   template <bool kPlain>
   static KIVI_DEVICE void unit(const Args& a, const Sequence& s, const Stage& st, const Query& q,
                                int u, int g, int t, float (&m)[NT], float (&l)[NT], float (&o)[kValueTiles][4]) {
+    float zero[NT][4];
+    zero_terms(st, q, g, t, zero);
 #pragma unroll 1
-    for (int i = 0; i < kUnitGroups; ++i) group<kPlain>(a, s, st, q, u, i, g, t, m, l, o);
+    for (int i = 0; i < kUnitGroups; ++i) group<kPlain>(a, s, st, q, zero, u, i, g, t, m, l, o);
+  }
+
+  // The zero terms q . z of the unit's key groups in one product per column tile: the zero points of group g % 2
+  // in row g (exact fp16, no parts), against qn, -q in the lo columns and 0 in the hi ones; so zero[nt][1] of the
+  // lanes of row i is minus group i's term for head 4 nt + t (rows past the unit's groups repeat them, unread).
+  static KIVI_DEVICE void zero_terms(const Stage& st, const Query& q, int g, int t, float (&zero)[NT][4]) {
+    const uint16_t* z = st.kz + (g % kUnitGroups) * D + 4 * t;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) zero[nt][0] = zero[nt][1] = zero[nt][2] = zero[nt][3] = 0.f;
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+      const uint2 x = load<uint2>(z + 16 * k);
+      const uint32_t a[4] = {x.x, 0u, x.y, 0u};  // rows g + 8: nothing
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mma_16816(zero[nt], a, q.qn[nt][k]);
+    }
   }
 
   template <bool kPlain>
   static KIVI_DEVICE void group(const Args& a, const Sequence& s, const Stage& st, const Query& q,
-                                int u, int i, int g, int t, float (&m)[NT], float (&l)[NT], float (&o)[kValueTiles][4]) {
+                                const float (&zero)[NT][4], int u, int i, int g, int t, float (&m)[NT], float (&l)[NT], float (&o)[kValueTiles][4]) {
     float x[2][NT][2];
-    group_logits<kPlain>(s, st, q, u, i, g, t, x);
+    group_logits<kPlain>(s, st, q, zero, u, i, g, t, x);
     const bool capped = a.cap > 0.f;
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj)
