@@ -158,23 +158,30 @@ struct Decode {
       stage_partial(s, u, st, lane);
   }
 
-  // A plain unit's data is five contiguous runs of whole 16-byte pieces: no bounds.
+  // A plain unit's data is six contiguous runs of whole pieces: no bounds. The value scales and zeros go in
+  // pieces of 8 bytes: a sequence's rows of them start at 8 * vc_rows bytes (head_dim 128), 16-byte aligned only
+  // for even vc_rows (a cache of 895 quantized values holds 895 rows).
   static KIVI_DEVICE void stage_plain(const Sequence& s, int u, Stage& st, int lane) {
-    copy_run<sizeof(st.kc)>(st.kc, s.kc + int64_t(kUnitGroups * kRowsPerGroup * u) * D, lane);
-    copy_run<sizeof(st.ks)>(st.ks, s.ks + int64_t(kUnitGroups * u) * D, lane);
-    copy_run<sizeof(st.kz)>(st.kz, s.kz + int64_t(kUnitGroups * u) * D, lane);
-    copy_run<sizeof(st.vc)>(st.vc, s.vc + int64_t(kUnitTokens * u) * kValueWords, lane);
-    copy_run<sizeof(st.vs)>(st.vs, s.vs + int64_t(kUnitTokens * u) * kValueGroups, lane);
-    copy_run<sizeof(st.vz)>(st.vz, s.vz + int64_t(kUnitTokens * u) * kValueGroups, lane);
+    copy_run<sizeof(st.kc), 16>(st.kc, s.kc + int64_t(kUnitGroups * kRowsPerGroup * u) * D, lane);
+    copy_run<sizeof(st.ks), 16>(st.ks, s.ks + int64_t(kUnitGroups * u) * D, lane);
+    copy_run<sizeof(st.kz), 16>(st.kz, s.kz + int64_t(kUnitGroups * u) * D, lane);
+    copy_run<sizeof(st.vc), 16>(st.vc, s.vc + int64_t(kUnitTokens * u) * kValueWords, lane);
+    copy_run<sizeof(st.vs), 8>(st.vs, s.vs + int64_t(kUnitTokens * u) * kValueGroups, lane);
+    copy_run<sizeof(st.vz), 8>(st.vz, s.vz + int64_t(kUnitTokens * u) * kValueGroups, lane);
   }
 
-  template <int kBytes>
+  template <int kBytes, int kPiece>
   static KIVI_DEVICE void copy_run(void* to, const void* from, int lane) {
-    static_assert(kBytes % (32 * 16) == 0, "whole pieces for every lane");
-    char* shared = static_cast<char*>(to) + 16 * lane;
-    const char* global = static_cast<const char*>(from) + 16 * lane;
+    static_assert(kBytes % (32 * kPiece) == 0, "whole pieces for every lane");
+    char* shared = static_cast<char*>(to) + kPiece * lane;
+    const char* global = static_cast<const char*>(from) + kPiece * lane;
 #pragma unroll
-    for (int k = 0; k < kBytes / (32 * 16); ++k) copy16(shared + 32 * 16 * k, global + 32 * 16 * k, 16);
+    for (int k = 0; k < kBytes / (32 * kPiece); ++k) {
+      if (kPiece == 16)
+        copy16(shared + 32 * kPiece * k, global + 32 * kPiece * k, 16);
+      else
+        copy8(shared + 32 * kPiece * k, global + 32 * kPiece * k);
+    }
   }
 
   // A unit with full-precision rows: the key groups that are quantized, the values of tokens below n_qv (16-byte
@@ -198,13 +205,11 @@ struct Decode {
       const bool quantized = first + 4 * c / kValueWords < s.n_qv;
       copy16(st.vc + 4 * c, s.vc + (quantized ? words + 4 * c : 0), quantized ? piece(words + 4 * c, words_end, 4) : 0);
     }
-    const int64_t stats = int64_t(first) * kValueGroups, stats_end = int64_t(s.vc_rows) * kValueGroups;
-    for (int c = lane; c < kUnitTokens * kValueGroups / 8; c += 32) {
-      const bool quantized = first + 8 * c / kValueGroups < s.n_qv;
-      const int64_t at = quantized ? stats + 8 * c : 0;
-      const int bytes = quantized ? piece(at, stats_end, 2) : 0;
-      copy16(st.vs + 8 * c, s.vs + at, bytes);
-      copy16(st.vz + 8 * c, s.vz + at, bytes);
+    const int64_t stats = int64_t(first) * kValueGroups;
+    for (int c = lane; c < kUnitTokens * kValueGroups / 4; c += 32) {  // pieces of 8 bytes (see stage_plain)
+      if (first + 4 * c / kValueGroups >= s.n_qv) continue;  // not read: the values' selects skip those tokens
+      copy8(st.vs + 4 * c, s.vs + stats + 4 * c);
+      copy8(st.vz + 4 * c, s.vz + stats + 4 * c);
     }
   }
 

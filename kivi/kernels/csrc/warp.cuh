@@ -78,6 +78,11 @@ KIVI_DEVICE void copy16(void* shared, const void* global, int bytes) {
   const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(shared));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(global), "r"(bytes));
 }
+// 8 bytes from global to shared memory, asynchronously (a source aligned to 8 bytes only).
+KIVI_DEVICE void copy8(void* shared, const void* global) {
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(to), "l"(global));
+}
 KIVI_DEVICE void copy_commit() { asm volatile("cp.async.commit_group;"); }
 // Waits until at most `pending` committed groups of this thread's copies are still in flight.
 template <int pending>
