@@ -59,7 +59,7 @@ def decode(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, coun
     if kernel not in ("auto", "triton", "cuda"):
         raise ValueError(f"decode: kernel must be 'auto', 'triton' or 'cuda', got {kernel!r}")
     if kernel == "cuda" or (kernel == "auto"  # the cheap question first: it spares a build where Triton is faster
-                            and cuda_decode.faster_than_triton(config, query.shape[1], kv_heads, max_tokens)
+                            and cuda_decode.faster_than_triton(config, query.shape[1], kv_heads)
                             and serves_cuda(config, query, kv_heads, keys.resid.dtype)):
         module, default = cuda_decode, lambda: cuda_decode.default_num_splits(batch, kv_heads, max_tokens, query.device)
     else:

@@ -145,15 +145,12 @@ def unsupported(config: KiviConfig, query_shape: tuple[int, ...], kv_heads: int,
     return None
 
 
-def faster_than_triton(config: KiviConfig, q_heads: int, kv_heads: int, max_tokens: int) -> bool:
+def faster_than_triton(config: KiviConfig, q_heads: int, kv_heads: int) -> bool:
     """Where this kernel beat the Triton kernel on the H200 (BENCHMARKS.md, same runs): grouped heads at every length
-    (Qwen2.5-1.5B's 12 / 2 at S = 1,024: 4x; GQA 32 / 8 at 32K: 1.5x), and 2-bit MHA at short contexts, where the
-    newest tokens (a residual of up to R = 128, the value window) are a large part of each sequence (S = 640 and
-    1,024: 1.1-1.5x). At long contexts the Triton kernel's fast tiles (fewer instructions per quantized token) win
-    for MHA (S = 4K: 0.78x here, 32K: 0.66x), and for 4-bit MHA everywhere measured."""
-    if q_heads > kv_heads:
-        return True
-    return config.k_bits == 2 and max_tokens <= 2048
+    and 2-bit MHA at every length measured (KIVI-2, 9ffe5c4: Qwen2.5-1.5B's 12 / 2 at S = 1,024 5.0x, GQA 32 / 8 at
+    32K 2.5x; Llama-2-7B's MHA at S = 640 1.7x, 4K 1.24x, 32K 1.24x). For 4-bit MHA the Triton kernel won everywhere
+    it was measured (before the 2-bit path lost its shifts; the 4-bit kernel was not timed again)."""
+    return q_heads > kv_heads or config.k_bits == 2
 
 
 def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:

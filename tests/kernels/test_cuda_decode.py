@@ -134,11 +134,10 @@ def test_what_the_cuda_kernel_does_not_serve_is_named(change, reason):
 
 def test_the_backend_takes_the_cuda_kernel_only_where_it_was_measured_faster():
     kivi2, kivi4 = KiviConfig(), KiviConfig(k_bits=4, v_bits=4)
-    assert cuda_decode.faster_than_triton(kivi2, q_heads=12, kv_heads=2, max_tokens=32768)  # grouped heads: always
-    assert cuda_decode.faster_than_triton(kivi4, q_heads=12, kv_heads=2, max_tokens=1024)
-    assert cuda_decode.faster_than_triton(kivi2, q_heads=32, kv_heads=32, max_tokens=1024)  # MHA, short contexts
-    assert not cuda_decode.faster_than_triton(kivi2, q_heads=32, kv_heads=32, max_tokens=32768)
-    assert not cuda_decode.faster_than_triton(kivi4, q_heads=32, kv_heads=32, max_tokens=1024)
+    assert cuda_decode.faster_than_triton(kivi2, q_heads=12, kv_heads=2)  # grouped heads: always
+    assert cuda_decode.faster_than_triton(kivi4, q_heads=12, kv_heads=2)
+    assert cuda_decode.faster_than_triton(kivi2, q_heads=32, kv_heads=32)  # 2-bit MHA: at every length measured
+    assert not cuda_decode.faster_than_triton(kivi4, q_heads=32, kv_heads=32)  # 4-bit MHA: Triton's
     cpu = torch.zeros(1, 12, 1, 128, dtype=torch.float16)
     assert not backend.serves_cuda(kivi2, cpu, 2, torch.float16)  # CPU tensors: the Triton kernel (interpreter)
 
