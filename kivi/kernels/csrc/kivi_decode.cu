@@ -14,8 +14,8 @@
 //   as an fp16 subnormal (code * 2^(BITS * pos - 24)); the right operand is q * s (per channel) split into two
 //   fp16 parts, hi and lo, in columns (head, part): near-fp32 logits (rounding q * s alone to fp16 errs by 2e-3 on
 //   keys with outlier channels). The zero terms q . z of a unit's two groups are one product (zero points
-//   in rows, exact, against -q), added once the codes' rows are scaled back. Full-precision keys are the left operand as stored, against q (exact)
-//   in the hi columns.
+//   in rows, exact, against -q), added once the codes' rows are scaled back. Full-precision keys are the left
+//   operand as stored, against q (exact) in the hi columns.
 //   Row r of a group's product jj is word row RPG * group + r % RPG, code r / RPG + (8 / RPG) * jj (r < 8), and
 //   the code HALF later for r + 8: rows r and r + 8, which one thread holds, lie in bytes jj and jj + 2 of one
 //   word at the same bit, so a byte permute of two words (two channels) and one mask give the operand pair.
@@ -184,8 +184,8 @@ struct Decode {
     }
   }
 
-  // A unit with full-precision rows: the key groups that are quantized, the values of tokens below n_qv (16-byte
-  // pieces; a piece of tokens that are not quantized, or past the buffer, is not read).
+  // A unit with full-precision rows: the key groups that are quantized, the values of tokens below n_qv (codes in
+  // 16-byte pieces, scales and zeros in 8-byte ones; what lies past n_qv, or past the buffer, is not read).
   static KIVI_DEVICE void stage_partial(const Sequence& s, int u, Stage& st, int lane) {
 #pragma unroll
     for (int i = 0; i < kUnitGroups; ++i) {
@@ -225,8 +225,8 @@ struct Decode {
   static KIVI_DEVICE void group_logits(const Sequence& s, const Stage& st, const Query& q, const float (&zero)[NT][4],
                                        int u, int i, int g, int t, float (&out)[2][NT][2]) {
     const int group = kUnitGroups * u + i;
-    float acc[2][NT][4] = {};
     if (kPlain || (group + 1) * kGroup <= s.n_qk) {  // a quantized key group, staged
+      float acc[2][NT][4] = {};
       const uint32_t* words = st.kc + (kRowsPerGroup * i + g % kRowsPerGroup) * D + 4 * t;
       const uint16_t* scale = st.ks + i * D + 4 * t;
       // The lane's rows are code pos of byte jj (row g) and byte jj + 2 (row g + 8) of its word row's halves.
@@ -261,35 +261,37 @@ struct Decode {
       }
       return;
     }
-    // Full-precision keys: the residual (tokens past n_tok read nothing).
+    if constexpr (!kPlain) {  // full-precision keys: the residual (tokens past n_tok read nothing)
+      float acc[2][NT][4] = {};
 #pragma unroll
-    for (int jj = 0; jj < 2; ++jj) {
-      const int t0 = token(group, jj, g), t1 = token(group, jj, g + 8);
-      const uint16_t* k0 = s.kr + int64_t(t0 - s.n_qk) * D + 4 * t;
-      const uint16_t* k1 = s.kr + int64_t(t1 - s.n_qk) * D + 4 * t;
-      uint2 x0[kSteps], x1[kSteps];  // every load first: one wait, not one per product
+      for (int jj = 0; jj < 2; ++jj) {
+        const int t0 = token(group, jj, g), t1 = token(group, jj, g + 8);
+        const uint16_t* k0 = s.kr + int64_t(t0 - s.n_qk) * D + 4 * t;
+        const uint16_t* k1 = s.kr + int64_t(t1 - s.n_qk) * D + 4 * t;
+        uint2 x0[kSteps], x1[kSteps];  // every load first: one wait, not one per product
 #pragma unroll
-      for (int k = 0; k < kSteps; ++k) {
-        x0[k] = t0 < s.n_tok ? load<uint2>(k0 + 16 * k) : uint2{0, 0};
-        x1[k] = t1 < s.n_tok ? load<uint2>(k1 + 16 * k) : uint2{0, 0};
-      }
+        for (int k = 0; k < kSteps; ++k) {
+          x0[k] = t0 < s.n_tok ? load<uint2>(k0 + 16 * k) : uint2{0, 0};
+          x1[k] = t1 < s.n_tok ? load<uint2>(k1 + 16 * k) : uint2{0, 0};
+        }
 #pragma unroll
-      for (int k = 0; k < kSteps; ++k) {
-        const uint32_t a[4] = {x0[k].x, x1[k].x, x0[k].y, x1[k].y};
+        for (int k = 0; k < kSteps; ++k) {
+          const uint32_t a[4] = {x0[k].x, x1[k].x, x0[k].y, x1[k].y};
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const uint32_t bq[2] = {g & 1 ? 0u : q.q[nt][k][0], g & 1 ? 0u : q.q[nt][k][1]};
-          mma_16816(acc[jj][nt], a, bq);
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint32_t bq[2] = {g & 1 ? 0u : q.q[nt][k][0], g & 1 ? 0u : q.q[nt][k][1]};
+            mma_16816(acc[jj][nt], a, bq);
+          }
         }
       }
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          out[jj][nt][0] = acc[jj][nt][0] + acc[jj][nt][1];
+          out[jj][nt][1] = acc[jj][nt][2] + acc[jj][nt][3];
+        }
     }
-#pragma unroll
-    for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        out[jj][nt][0] = acc[jj][nt][0] + acc[jj][nt][1];
-        out[jj][nt][1] = acc[jj][nt][2] + acc[jj][nt][3];
-      }
   }
 
   // o += V^T P^T over the 16 tokens of key product jj of a group; p: the probabilities of the lane's rows g and
