@@ -177,7 +177,7 @@ struct Decode {
     const char* global = static_cast<const char*>(from) + kPiece * lane;
 #pragma unroll
     for (int k = 0; k < kBytes / (32 * kPiece); ++k) {
-      if (kPiece == 16)
+      if constexpr (kPiece == 16)
         copy16(shared + 32 * kPiece * k, global + 32 * kPiece * k, 16);
       else
         copy8(shared + 32 * kPiece * k, global + 32 * kPiece * k);
@@ -390,19 +390,18 @@ struct Decode {
   template <bool kPlain>
   static KIVI_DEVICE void unit(const Args& a, const Sequence& s, const Stage& st, const Query& q,
                                int u, int g, int t, float (&m)[NT], float (&l)[NT], float (&o)[kValueTiles][4]) {
-    float zero[NT][4];
+    float zero[NT][4] = {};
     zero_terms(st, q, g, t, zero);
 #pragma unroll 1
     for (int i = 0; i < kUnitGroups; ++i) group<kPlain>(a, s, st, q, zero, u, i, g, t, m, l, o);
   }
 
-  // The zero terms q . z of the unit's key groups in one product per column tile: the zero points of group g % 2
-  // in row g (exact fp16, no parts), against qn, -q in the lo columns and 0 in the hi ones; so zero[nt][1] of the
-  // lanes of row i is minus group i's term for head 4 nt + t (rows past the unit's groups repeat them, unread).
+  // Adds the zero terms q . z of the unit's key groups to `zero`, one product per column tile: the zero points of
+  // group g % 2 in row g (exact fp16, no parts), against qn, -q in the lo columns and 0 in the hi ones; so
+  // zero[nt][1] of the lanes of row i is minus group i's term for head 4 nt + t (rows past the unit's groups repeat
+  // them, unread).
   static KIVI_DEVICE void zero_terms(const Stage& st, const Query& q, int g, int t, float (&zero)[NT][4]) {
     const uint16_t* z = st.kz + (g % kUnitGroups) * D + 4 * t;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) zero[nt][0] = zero[nt][1] = zero[nt][2] = zero[nt][3] = 0.f;
 #pragma unroll
     for (int k = 0; k < kSteps; ++k) {
       const uint2 x = load<uint2>(z + 16 * k);
@@ -414,7 +413,8 @@ struct Decode {
 
   template <bool kPlain>
   static KIVI_DEVICE void group(const Args& a, const Sequence& s, const Stage& st, const Query& q,
-                                const float (&zero)[NT][4], int u, int i, int g, int t, float (&m)[NT], float (&l)[NT], float (&o)[kValueTiles][4]) {
+                                const float (&zero)[NT][4], int u, int i, int g, int t, float (&m)[NT], float (&l)[NT],
+                                float (&o)[kValueTiles][4]) {
     float x[2][NT][2];
     group_logits<kPlain>(s, st, q, zero, u, i, g, t, x);
     const bool capped = a.cap > 0.f;
