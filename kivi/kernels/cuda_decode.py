@@ -148,8 +148,8 @@ def unsupported(config: KiviConfig, query_shape: tuple[int, ...], kv_heads: int,
 def faster_than_triton(config: KiviConfig, q_heads: int, kv_heads: int) -> bool:
     """Where this kernel beat the Triton kernel on the H200 (BENCHMARKS.md, same runs): grouped heads at every length
     and 2-bit MHA at every length measured (KIVI-2, 9ffe5c4: Qwen2.5-1.5B's 12 / 2 at S = 1,024 5.0x, GQA 32 / 8 at
-    32K 2.5x; Llama-2-7B's MHA at S = 640 1.7x, 4K 1.24x, 32K 1.24x). For 4-bit MHA the Triton kernel won everywhere
-    it was measured (before the 2-bit path lost its shifts; the 4-bit kernel was not timed again)."""
+    32K 2.5x; Llama-2-7B's MHA at S = 640 1.7x, 4K 1.24x, 32K 1.24x). 4-bit MHA stays on the Triton kernel: at f690bc4
+    this one won at 4K and 32K (1.11x, 1.14x) and lost at S = 640 (0.94x)."""
     return q_heads > kv_heads or config.k_bits == 2
 
 
