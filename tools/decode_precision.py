@@ -6,7 +6,11 @@ operand is rounded to fp16 the way a tensor-core kernel would hold it:
 - ``q*s fp16``: keys as exact codes, q * s (per channel) rounded to one fp16 part, the zero term exact;
 - ``q*s hi/lo``: q * s as two fp16 parts, hi + lo (what the CUDA kernel does);
 - ``values fp16``: values dequantized and rounded to fp16;
-- ``p fp16``: the probabilities rounded to fp16 before they weight the values.
+- ``p fp16``: the probabilities rounded to fp16 before they weight the values;
+- ``p*s fp16``: values as exact codes against p * s (per token) rounded to fp16, p * z exact, p an fp16 holding
+  2^bits times the probability, bits as large as keeps p * s of the largest scale below 2^15, at most 15 (what the
+  CUDA kernel does); ``p*s fp16 x1``: the same with bits = 0, where p * s of small value scales falls among fp16's
+  subnormals.
 On random K/V with outlier channels (``tools.kernel_data.outlier_kv``) and the real SmolLM2 K/V of the tests.
 """
 
@@ -21,6 +25,13 @@ from kivi.quant import GROUP_DIM, quantize, unpack
 from tools.kernel_data import REAL_KV, outlier_kv, relative_error
 
 GROUP, RESIDUAL = 32, 128
+
+
+def probability_bits(scales: torch.Tensor) -> int:
+    """The CUDA kernel's factor 2^bits on the probabilities: the largest scale is below 2^(e - 14), e its biased
+    fp16 exponent, so p * s < 2^(bits + e - 14) <= 2^15."""
+    exponent = int(scales.half().view(torch.int16).max()) >> 10
+    return min(15, 29 - exponent)
 
 
 def variant_errors(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bits: int = 2) -> dict[str, float]:
@@ -48,6 +59,13 @@ def variant_errors(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         p = torch.exp(s - s.amax(-1, keepdim=True))
         return torch.einsum("bhgt,bhtd->bhgd", p.half().double() if p16 else p, v) / p.sum(-1, keepdim=True)
 
+    def attend_codes(s: torch.Tensor, factor: float) -> torch.Tensor:
+        p = torch.exp(s - s.amax(-1, keepdim=True)) * factor
+        p16 = p.half().double()
+        ps = (p16[..., :n].unsqueeze(-1) * vs.unsqueeze(2)).half().double()  # [B, Hkv, g, n, D]
+        out = (ps * vc.unsqueeze(2)).sum(3) + torch.einsum("bhgt,bhtd->bhgd", p16[..., :n], vz)
+        return (out + torch.einsum("bhgt,bhtd->bhgd", p16[..., n:], values[:, :, n:].double())) / p.sum(-1, keepdim=True)
+
     exact = logits()
     ref = attend(exact)
     qs = q.unsqueeze(3) * ks.unsqueeze(2)  # [B, Hkv, g, n, D]
@@ -58,6 +76,8 @@ def variant_errors(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         "q*s hi/lo": relative_error(attend(logits(hi + (qs - hi).half().double())), ref),
         "values fp16": relative_error(attend(exact, v_full.half().double()), ref),
         "p fp16": relative_error(attend(exact, p16=True), ref),
+        "p*s fp16": relative_error(attend_codes(exact, 2.0**probability_bits(vq.scale)), ref),
+        "p*s fp16 x1": relative_error(attend_codes(exact, 1.0), ref),
     }
 
 

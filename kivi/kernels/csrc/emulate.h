@@ -174,8 +174,6 @@ KIVI_DEVICE uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
   return d;
 }
 
-KIVI_DEVICE uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) { return (a & b) | c; }
-
 KIVI_DEVICE uint32_t hsub2(uint32_t a, uint32_t b) {
   return emu::half2_map(a, b, 0, [](double x, double y, double) { return x - y; });
 }
@@ -195,6 +193,12 @@ KIVI_DEVICE uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
 KIVI_DEVICE uint32_t pack_half2(float lo, float hi) { return emu::to_half(lo) | (uint32_t(emu::to_half(hi)) << 16); }
 
 KIVI_DEVICE uint16_t float_to_half(float x) { return emu::to_half(x); }
+
+KIVI_DEVICE int opaque(int x) { return x; }
+
+KIVI_DEVICE uint32_t max_u16x2(uint32_t a, uint32_t b) {
+  return std::max(a & 0xFFFFu, b & 0xFFFFu) | (std::max(a >> 16, b >> 16) << 16);
+}
 
 KIVI_DEVICE float fast_exp2(float x) { return std::exp2(x); }
 KIVI_DEVICE float fast_log2(float x) { return std::log2(x); }
@@ -217,6 +221,13 @@ KIVI_DEVICE bool warp_any(bool p) {
   for (int i = 0; i < emu::kWarp; ++i)
     if (all[i][0]) return true;
   return false;
+}
+
+KIVI_DEVICE uint32_t warp_max(uint32_t v) {
+  auto all = emu::warp_meet(&v, 1);
+  uint32_t top = 0;
+  for (int i = 0; i < emu::kWarp; ++i) top = std::max(top, all[i][0]);
+  return top;
 }
 
 KIVI_DEVICE void sync_block() {

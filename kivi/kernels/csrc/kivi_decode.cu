@@ -19,11 +19,15 @@
 //   Row r of a group's product jj is word row RPG * group + r % RPG, code r / RPG + (8 / RPG) * jj (r < 8), and
 //   the code HALF later for r + 8: rows r and r + 8, which one thread holds, lie in bytes jj and jj + 2 of one
 //   word at the same bit, so a byte permute of two words (two channels) and one mask give the operand pair.
-// - values, O^T = V^T P^T: rows are 16 channels (code i and i + HALF of 8 words), columns the heads, K the 16
-//   tokens of one key product, in its row order, so the probabilities move from the key products' accumulators
-//   to the value products' right operand by two shuffles. Values are dequantized into the left operand
-//   (code * s + z, one fp16 rounding: 1.4e-4 relative, measured on outlier data).
+// - values, O^T = V^T P^T: columns the heads, K the 16 tokens of one key product, in its row order, so the
+//   probabilities move from the key products' accumulators to the value products' right operand by two shuffles.
+//   Product 2 G + h holds 16 channels of value group G: row g is channel 32 G + 4 g + 2 h, row g + 8 the next one,
+//   so a lane's 4 channels of a group are adjacent (at 2 bits the 4 codes of one byte). One scale per (token,
+//   group) lets the right operand be p * s, and the codes stay in place as the keys' do (each row scaled back once,
+//   at the end); the zero terms p . z of all groups are one more product per key product (rows: groups), kept
+//   apart and added at the end. Full-precision values are the left operand as stored, against p.
 // The query and the key products work in raw units (q . k); qk_scale (with log2 e) is applied in fp32 after.
+// Probabilities and their sums carry a factor 2^bits (Softmax), the output and log-sum-exp do not.
 // Each warp copies its next unit's codes, scales and zeros into shared memory (cp.async) while it computes the
 // current one, so a unit waits for its loads once; full-precision keys and values are read as they are used.
 #include "warp.cuh"
@@ -63,8 +67,9 @@ namespace {
 constexpr int kGroup = 32;       // tokens of a key group, channels of a value group
 constexpr int kWarps = 4;        // warps per block
 constexpr int kUnitGroups = 2;   // key groups a warp takes at a time (one softmax update)
-constexpr uint32_t kMagic = 0x64006400u;  // half2 (1024, 1024): a code OR'd into the mantissa reads 1024 + code
 constexpr uint32_t kSign = 0x80008000u;
+// The largest factor 2^bits the probabilities take (Softmax): 2^15 and p * s of fp16 scales below 1 stay in fp16.
+constexpr int kMaxProbabilityBits = 15;
 
 #ifdef KIVI_EMULATE
 struct uint2 {
@@ -84,15 +89,17 @@ template <int BITS, int D, int NT>  // code bits (keys and values), head size, k
 struct Decode {
   static constexpr int kCpw = 32 / BITS;                // codes per word
   static constexpr int kHalf = kCpw / 2;                // codes per 16-bit half of a word
+  static constexpr int kCodesPerByte = 8 / BITS;
   static constexpr int kRowsPerGroup = kGroup / kCpw;   // key word rows per key group
   static constexpr int kSteps = D / 16;                 // K steps of a key product
   static constexpr int kValueWords = D / kCpw;          // value words per token
-  static constexpr int kWordBlocks = kValueWords / 8;   // blocks of 8 value words: one per lane group
-  static constexpr int kValueTiles = D / 16;            // value products (16 channels each)
+  static constexpr int kValueTiles = D / 16;            // value products (16 channels each, 2 per value group)
   static constexpr int kValueGroups = D / kGroup;
+  static constexpr int kGroupWords = kGroup / kCpw;     // value words per (token, value group)
   static constexpr int kUnitTokens = kUnitGroups * kGroup;
   static constexpr uint32_t kCodeMask = ((1u << BITS) - 1) * 0x10001u;
-  static_assert(kWordBlocks >= 1 && kWordBlocks * kHalf == kValueTiles, "a head size the lanes tile exactly");
+  static_assert(D % kGroup == 0 && kValueGroups <= 8 && kValueGroups % 2 == 0,
+                "value groups in pairs of scales, and one row of the zero terms' product each");
 
   // One unit's quantized data in shared memory, laid out as in global memory: each warp copies the next unit's
   // (cp.async) while it computes this one, so a unit waits for its loads once, not at every product.
@@ -104,7 +111,7 @@ struct Decode {
   };
   // The block's merge of its warps, in the same shared memory once every warp is done.
   struct Merge {
-    float o[kWarps][8][D], m[kWarps][8], l[kWarps][8];
+    float o[kWarps][8][D], zero[kWarps][8][kValueGroups], m[kWarps][8], l[kWarps][8];
   };
   static constexpr int kSharedBytes = int(sizeof(Stage)) * 2 * kWarps > int(sizeof(Merge))
                                           ? int(sizeof(Stage)) * 2 * kWarps : int(sizeof(Merge));
@@ -116,22 +123,50 @@ struct Decode {
            (r >= 8 ? kHalf : 0);
   }
 
-  // Codes at bit `shift` of each 16-bit half of x, as an exact fp16 pair.
-  static KIVI_DEVICE uint32_t codes(uint32_t x, int shift) {
-    return hsub2(and_or(x >> shift, kCodeMask, kMagic), kMagic);
-  }
+  // Byte `byte` of x in the low half, of y in the high half (each duplicated in its half's upper byte). Masked to
+  // one code, a pair is an operand register: the code stays where it lies in its byte, at bit BITS * pos, and
+  // read as fp16 the pair is code * 2^(BITS * pos) * 2^-24 (a subnormal, exact; the tensor cores take subnormal
+  // operands), so each row of a product is scaled by a power of two undone once (keys: per group; values: at the
+  // end), with no shift, no magic-number subtraction and no dequantizing per pair.
+  static KIVI_DEVICE uint32_t byte_pair(uint32_t x, uint32_t y, int byte) { return prmt(x, y, 0x4400u + 0x1111u * byte); }
 
-  // A key product's operand register: byte `byte` of each of two words (two channels), masked to the lane's code.
-  // The code stays where it lies in its byte, at bit BITS * pos: read as fp16 the pair is code * 2^(BITS * pos)
-  // * 2^-24 (a subnormal, exact; the tensor cores take subnormal operands), so each row of the product is scaled
-  // by the power of two its lane undoes once per group: no shift and no magic-number subtraction per pair.
-  static KIVI_DEVICE uint32_t key_codes(uint32_t x, uint32_t y, int byte, uint32_t lane_mask) {
-    return prmt(x, y, 0x4400u + 0x1111u * byte) & lane_mask;
+  // The mask of code j of the lane's 4 adjacent value channels in their byte.
+  static KIVI_DEVICE constexpr uint32_t value_mask(int j) { return kCodeMask << (BITS * (j % kCodesPerByte)); }
+  // What one unit of code j's pair reads as in fp16 (2^(BITS * pos - 24)): the value rows' accumulators hold
+  // code units until the end.
+  static KIVI_DEVICE constexpr float code_unit(int j) { return 1.f / float(1u << (24 - BITS * (j % kCodesPerByte))); }
+
+  // n 32-bit words at p into out (zeros unless `read`), in one shared-memory load.
+  template <int n>
+  static KIVI_DEVICE void load_words(uint32_t (&out)[n], const uint16_t* p, bool read) {
+    static_assert(n == 2 || n == 4, "8 or 16 bytes");
+    if constexpr (n == 2) {
+      const uint2 x = read ? load<uint2>(p) : uint2{0, 0};
+      out[0] = x.x, out[1] = x.y;
+    } else {
+      const uint4 x = read ? load<uint4>(p) : uint4{0, 0, 0, 0};
+      out[0] = x.x, out[1] = x.y, out[2] = x.z, out[3] = x.w;
+    }
   }
 
   // fp16 pair (q * s) as its hi or lo part: hi = fp16(q * s), lo = fp16(q * s - hi), exact for fp16 q and s.
   // qn: -q in the lanes of lo parts, else 0 (q * s + 0 is hi): two instructions and no select.
   static KIVI_DEVICE uint32_t part(uint32_t q, uint32_t qn, uint32_t s) { return hfma2(q, s, hmul2(qn, s)); }
+
+  // A warp's value accumulators: o[2 G + h] the value products' (code units, scaled back at the end), zero the
+  // zero terms' (row g: group g; true units). Columns: heads 2t, 2t + 1.
+  struct Output {
+    float o[kValueTiles][4], zero[4];
+  };
+
+  // A warp's online softmax: m the running maximum of head 4 nt + t (log2 units), l its sum of probabilities, each
+  // 2^(x - m + bits), not 2^(x - m): p * s (an fp16 operand) of value scales near 1e-3 would fall among fp16's
+  // subnormals otherwise (tools.decode_precision: 1.1e-2 relative error at 16K tokens, 1.1e-3 with a factor 16).
+  // bits is lowered, never raised, so that p * s of the largest value scale yet seen stays below 2^15.
+  struct Softmax {
+    float m[NT], l[NT];
+    int bits;
+  };
 
   // The query as the key products' right operand (see run), and its negation in the lanes of lo parts (part).
   struct Query {
@@ -239,8 +274,8 @@ struct Decode {
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
           // rows g (bytes jj) and g + 8 (bytes jj + 2) of channels 4t, 4t+1 (registers 0, 1) and 4t+2, 4t+3 (2, 3)
-          const uint32_t a[4] = {key_codes(w.x, w.y, jj, lane_mask), key_codes(w.x, w.y, jj + 2, lane_mask),
-                                 key_codes(w.z, w.w, jj, lane_mask), key_codes(w.z, w.w, jj + 2, lane_mask)};
+          const uint32_t a[4] = {byte_pair(w.x, w.y, jj) & lane_mask, byte_pair(w.x, w.y, jj + 2) & lane_mask,
+                                 byte_pair(w.z, w.w, jj) & lane_mask, byte_pair(w.z, w.w, jj + 2) & lane_mask};
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             const uint32_t bs[2] = {part(q.q[nt][k][0], q.qn[nt][k][0], sc.x),
@@ -294,11 +329,11 @@ struct Decode {
     }
   }
 
-  // o += V^T P^T over the 16 tokens of key product jj of a group; p: the probabilities of the lane's rows g and
+  // acc += V^T P^T over the 16 tokens of key product jj of a group; p: the probabilities of the lane's rows g and
   // g + 8 for head 4 nt + t, as fp16 pairs. kPlain: every value of the unit is quantized.
   template <bool kPlain>
   static KIVI_DEVICE void group_values(const Sequence& s, const Stage& st, const uint32_t (&p)[NT], int u, int group,
-                                       int jj, int g, int t, float (&o)[kValueTiles][4]) {
+                                       int jj, int g, int t, Output& acc) {
     // Right operand: P^T rows (tokens) 2t, 2t+1, 2t+8, 2t+9, column g (head g): from the lanes holding those key
     // rows (4 (2t) + head % 4 and the next group) for head g's column tile.
     const int src = 8 * t + g % 4;
@@ -310,70 +345,76 @@ struct Decode {
     }
     const uint32_t bp[2] = {prmt(pa, pb, 0x5410), prmt(pa, pb, 0x7632)};
 
-    // Left operand: the lane's columns are tokens 2t, 2t+1 (a, b) and 2t+8, 2t+9 (c, d) of the product.
-    int tok[4] = {token(group, jj, 2 * t), token(group, jj, 2 * t + 1), token(group, jj, 2 * t + 8),
-                  token(group, jj, 2 * t + 9)};
+    // The lane's K columns are tokens 2t, 2t+1 (pair 0) and 2t+8, 2t+9 (pair 1) of the product.
+    const int tok[4] = {token(group, jj, 2 * t), token(group, jj, 2 * t + 1), token(group, jj, 2 * t + 8),
+                        token(group, jj, 2 * t + 9)};
     bool quant[4], full[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       quant[e] = kPlain || tok[e] < s.n_qv;
       full[e] = !quant[e] && tok[e] < s.n_tok;
     }
-    const bool any_quant = kPlain || warp_any(quant[0] || quant[1] || quant[2] || quant[3]);
-    const bool any_full = !kPlain && warp_any(full[0] || full[1] || full[2] || full[3]);
+    if (kPlain || warp_any(quant[0] || quant[1] || quant[2] || quant[3])) {
+      // Quantized tokens (the others read as zero codes, scales and zeros): per value group, p * s as the right
+      // operand and the codes in place as the left.
+      uint32_t scales[4][kValueGroups / 2], zeros[4];
 #pragma unroll
-    for (int wb = 0; wb < kWordBlocks; ++wb) {
-      const int word = 8 * wb + g;  // channels word * cpw .. + cpw - 1
-      uint32_t pairs[4] = {0, 0, 0, 0}, scale[2] = {0, 0}, zero[2] = {0, 0};
-      if (any_quant) {
-        uint32_t w[4], sc[4], ze[4];
-        const int vgroup = word * kCpw / kGroup;
+      for (int e = 0; e < 4; ++e) {
+        const int row = tok[e] - kUnitTokens * u;
+        load_words(scales[e], st.vs + row * kValueGroups, quant[e]);
+        zeros[e] = quant[e] ? st.vz[row * kValueGroups + g % kValueGroups] : 0u;
+      }
+      const uint32_t az[4] = {prmt(zeros[0], zeros[1], 0x5410), 0u, prmt(zeros[2], zeros[3], 0x5410), 0u};
+      mma_16816(acc.zero, az, bp);  // row g: group g's zero points
+#pragma unroll
+      for (int vg = 0; vg < kValueGroups; ++vg) {
+        const uint32_t sel = vg % 2 ? 0x7632 : 0x5410;
+        const uint32_t b[2] = {hmul2(bp[0], prmt(scales[0][vg / 2], scales[1][vg / 2], sel)),
+                               hmul2(bp[1], prmt(scales[2][vg / 2], scales[3][vg / 2], sel))};
+        uint32_t w[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = tok[e] - kUnitTokens * u;
-          w[e] = quant[e] ? st.vc[row * kValueWords + word] : 0u;
-          sc[e] = quant[e] ? st.vs[row * kValueGroups + vgroup] : 0u;
-          ze[e] = quant[e] ? st.vz[row * kValueGroups + vgroup] : 0u;
+          w[e] = quant[e] ? st.vc[row * kValueWords + kGroupWords * vg + 4 * g / kCpw] : 0u;
         }
-        pairs[0] = prmt(w[0], w[1], 0x5410);
-        pairs[1] = prmt(w[0], w[1], 0x7632);
-        pairs[2] = prmt(w[2], w[3], 0x5410);
-        pairs[3] = prmt(w[2], w[3], 0x7632);
-        scale[0] = sc[0] | (sc[1] << 16);
-        scale[1] = sc[2] | (sc[3] << 16);
-        zero[0] = ze[0] | (ze[1] << 16);
-        zero[1] = ze[2] | (ze[3] << 16);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // product 2 vg + h: the lane's channels 2h (row g) and 2h + 1 (row g + 8)
+          const int byte = (4 * g + 2 * h) % kCpw * BITS / 8;
+          const uint32_t lo = byte_pair(w[0], w[1], byte), hi = byte_pair(w[2], w[3], byte);
+          const uint32_t a[4] = {lo & value_mask(2 * h), lo & value_mask(2 * h + 1), hi & value_mask(2 * h),
+                                 hi & value_mask(2 * h + 1)};
+          mma_16816(acc.o[2 * vg + h], a, b);
+        }
       }
-      uint32_t stored[4][kHalf] = {};  // full-precision values: the word's cpw channels of each token, fp16 pairs
-      if (any_full) {
+    }
+    if (!kPlain && warp_any(full[0] || full[1] || full[2] || full[3])) {
+      // Full-precision values against p, in units of their own, each product's result scaled to the codes' units.
+      // Loads 4 groups at a time, all before their products: one wait per 4 groups, not one per product.
+      constexpr int kChunk = kValueGroups < 4 ? kValueGroups : 4;
+      const uint16_t* v[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (!full[e]) continue;
-          const int row = s.ring ? tok[e] % s.vr_rows : tok[e] - s.n_qv;
-          const uint16_t* v = s.vr + int64_t(row) * D + word * kCpw;
+      for (int e = 0; e < 4; ++e) v[e] = s.vr + int64_t(s.ring ? tok[e] % s.vr_rows : tok[e] - s.n_qv) * D + 4 * g;
 #pragma unroll
-          for (int i = 0; i < kHalf; i += 4) {
-            const uint4 x = load<uint4>(v + 2 * i);
-            stored[e][i] = x.x, stored[e][i + 1] = x.y, stored[e][i + 2] = x.z, stored[e][i + 3] = x.w;
+      for (int first = 0; first < kValueGroups; first += kChunk) {
+        uint2 x[4][kChunk];
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+          for (int c = 0; c < kChunk; ++c) x[e][c] = full[e] ? load<uint2>(v[e] + kGroup * (first + c)) : uint2{0, 0};
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t y[4] = {h ? x[0][c].y : x[0][c].x, h ? x[1][c].y : x[1][c].x, h ? x[2][c].y : x[2][c].x,
+                                   h ? x[3][c].y : x[3][c].x};
+            const uint32_t a[4] = {prmt(y[0], y[1], 0x5410), prmt(y[0], y[1], 0x7632), prmt(y[2], y[3], 0x5410),
+                                   prmt(y[2], y[3], 0x7632)};
+            float f[4] = {};
+            mma_16816(f, a, bp);
+            float(&o)[4] = acc.o[2 * (first + c) + h];
+            o[0] += f[0] * code_unit(2 * h), o[1] += f[1] * code_unit(2 * h);
+            o[2] += f[2] * code_unit(2 * h + 1), o[3] += f[3] * code_unit(2 * h + 1);
           }
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kHalf; ++i) {  // value product: channels word * cpw + i (row g), + HALF (row g + 8)
-        uint32_t a[4] = {0, 0, 0, 0};
-        if (any_quant) {
-#pragma unroll
-          for (int r = 0; r < 4; ++r) a[r] = hfma2(codes(pairs[r], BITS * i), scale[r / 2], zero[r / 2]);
-        }
-        if (any_full) {
-          const int lo = i, hi = i + kHalf;  // channel offsets within the word: element lo and hi of each token
-          const uint32_t sel_lo = lo % 2 ? 0x7632 : 0x5410, sel_hi = hi % 2 ? 0x7632 : 0x5410;
-          a[0] = hadd2(a[0], prmt(stored[0][lo / 2], stored[1][lo / 2], sel_lo));
-          a[1] = hadd2(a[1], prmt(stored[0][hi / 2], stored[1][hi / 2], sel_hi));
-          a[2] = hadd2(a[2], prmt(stored[2][lo / 2], stored[3][lo / 2], sel_lo));
-          a[3] = hadd2(a[3], prmt(stored[2][hi / 2], stored[3][hi / 2], sel_hi));
-        }
-        mma_16816(o[wb * kHalf + i], a, bp);
       }
     }
   }
@@ -389,11 +430,28 @@ struct Decode {
   // the sequence): the common case, with no test per token and no full-precision path in its code.
   template <bool kPlain>
   static KIVI_DEVICE void unit(const Args& a, const Sequence& s, const Stage& st, const Query& q,
-                               int u, int g, int t, float (&m)[NT], float (&l)[NT], float (&o)[kValueTiles][4]) {
+                               int u, int g, int t, Softmax& sm, Output& acc) {
     float zero[NT][4] = {};
     zero_terms(st, q, g, t, zero);
+    const int bits = min(sm.bits, probability_bits<kPlain>(s, st, u, 4 * g + t));
 #pragma unroll 1
-    for (int i = 0; i < kUnitGroups; ++i) group<kPlain>(a, s, st, q, zero, u, i, g, t, m, l, o);
+    for (int i = 0; i < kUnitGroups; ++i) group<kPlain>(a, s, st, q, zero, u, i, g, t, bits, sm, acc);
+  }
+
+  // The largest factor 2^bits (Softmax) for which p * s < 2^15 for every scale of unit u's quantized values: a
+  // scale below 2^(e - 14), e its biased exponent (fp16 scales are >= 0: their bits order as integers).
+  template <bool kPlain>
+  static KIVI_DEVICE int probability_bits(const Sequence& s, const Stage& st, int u, int lane) {
+    uint32_t top = 0;
+#pragma unroll
+    for (int r = lane; r < kUnitTokens; r += 32) {
+      uint32_t w[kValueGroups / 2];
+      load_words(w, st.vs + r * kValueGroups, kPlain || kUnitTokens * u + r < s.n_qv);
+#pragma unroll
+      for (int i = 0; i < kValueGroups / 2; ++i) top = max_u16x2(top, w[i]);
+    }
+    const uint32_t largest = warp_max(max(top & 0xFFFFu, top >> 16));
+    return min(kMaxProbabilityBits, 29 - int(largest >> 10));
   }
 
   // Adds the zero terms q . z of the unit's key groups to `zero`, one product per column tile: the zero points of
@@ -413,8 +471,8 @@ struct Decode {
 
   template <bool kPlain>
   static KIVI_DEVICE void group(const Args& a, const Sequence& s, const Stage& st, const Query& q,
-                                const float (&zero)[NT][4], int u, int i, int g, int t, float (&m)[NT], float (&l)[NT],
-                                float (&o)[kValueTiles][4]) {
+                                const float (&zero)[NT][4], int u, int i, int g, int t, int bits, Softmax& sm,
+                                Output& acc) {
     float x[2][NT][2];
     group_logits<kPlain>(s, st, q, zero, u, i, g, t, x);
     const bool capped = a.cap > 0.f;
@@ -439,11 +497,12 @@ struct Decode {
       top[nt] = fmaxf(top[nt], shfl_xor(top[nt], 4));
       top[nt] = fmaxf(top[nt], shfl_xor(top[nt], 8));
       top[nt] = fmaxf(top[nt], shfl_xor(top[nt], 16));
-      const float m_new = fmaxf(m[nt], top[nt]);
-      alpha[nt] = fast_exp2(m[nt] - m_new);
-      m[nt] = m_new;
-      l[nt] *= alpha[nt];
+      const float m_new = fmaxf(sm.m[nt], top[nt]);
+      alpha[nt] = fast_exp2(sm.m[nt] - m_new - float(sm.bits - bits));
+      sm.m[nt] = m_new;
+      sm.l[nt] *= alpha[nt];
     }
+    sm.bits = bits;
     // The accumulators' columns are heads 2t and 2t + 1: their factors come from lanes t' = head % 4. Past the
     // first units the maximum seldom moves: then there is nothing to rescale.
     bool moved = false;
@@ -460,7 +519,8 @@ struct Decode {
           if (head / 4 == nt) factor = y;
         }
 #pragma unroll
-        for (int mi = 0; mi < kValueTiles; ++mi) o[mi][e] *= factor, o[mi][2 + e] *= factor;
+        for (int mi = 0; mi < kValueTiles; ++mi) acc.o[mi][e] *= factor, acc.o[mi][2 + e] *= factor;
+        acc.zero[e] *= factor;
       }
     }
 #pragma unroll
@@ -468,11 +528,12 @@ struct Decode {
       uint32_t p[NT];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        const float p0 = fast_exp2(x[jj][nt][0] - m[nt]), p1 = fast_exp2(x[jj][nt][1] - m[nt]);
-        l[nt] += p0 + p1;
+        const float base = sm.m[nt] - float(bits);
+        const float p0 = fast_exp2(x[jj][nt][0] - base), p1 = fast_exp2(x[jj][nt][1] - base);
+        sm.l[nt] += p0 + p1;
         p[nt] = pack_half2(p0, p1);
       }
-      group_values<kPlain>(s, st, p, u, kUnitGroups * u + i, jj, g, t, o);
+      group_values<kPlain>(s, st, p, u, kUnitGroups * u + i, jj, g, t, acc);
     }
   }
 
@@ -512,9 +573,11 @@ struct Decode {
       }
     }
 
-    float m[NT], l[NT], o[kValueTiles][4] = {};  // running max (log2 units) and partial sum of head 4 nt + t
+    Softmax sm;
+    sm.bits = kMaxProbabilityBits;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) m[nt] = -INFINITY, l[nt] = 0.f;
+    for (int nt = 0; nt < NT; ++nt) sm.m[nt] = -INFINITY, sm.l[nt] = 0.f;
+    Output acc = {};
 
     const int units = (s.n_tok + kUnitGroups * kGroup - 1) / (kUnitGroups * kGroup);
     const int per_split = (units + a.splits - 1) / a.splits;
@@ -528,62 +591,68 @@ struct Decode {
       copy_wait<1>();  // unit u's copies have landed (the next unit's may still be in flight)
       sync_warp();
       if (plain(s, u))  // warp-uniform
-        unit<true>(a, s, stages[n & 1], q, u, g, t, m, l, o);
+        unit<true>(a, s, stages[n & 1], q, u, g, t, sm, acc);
       else
-        unit<false>(a, s, stages[n & 1], q, u, g, t, m, l, o);
+        unit<false>(a, s, stages[n & 1], q, u, g, t, sm, acc);
       sync_warp();  // every lane is done with this stage before it is refilled
     }
 
     // Merge the block's warps.
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      l[nt] += shfl_xor(l[nt], 4);
-      l[nt] += shfl_xor(l[nt], 8);
-      l[nt] += shfl_xor(l[nt], 16);
+      sm.l[nt] += shfl_xor(sm.l[nt], 4);
+      sm.l[nt] += shfl_xor(sm.l[nt], 8);
+      sm.l[nt] += shfl_xor(sm.l[nt], 16);
     }
     copy_wait<0>();
     sync_block();  // the stages become the merge's memory
     Merge& merge = *static_cast<Merge*>(dynamic_shared());
     auto& warp_o = merge.o;
+    auto& warp_z = merge.zero;
     auto& warp_m = merge.m;
     auto& warp_l = merge.l;
-    if (g == 0) {
+    if (g == 0) {  // each warp's sums carry its own factor: m - bits, its base, weighs them
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) warp_m[warp][4 * nt + t] = m[nt], warp_l[warp][4 * nt + t] = l[nt];
+      for (int nt = 0; nt < NT; ++nt) warp_m[warp][4 * nt + t] = sm.m[nt] - float(sm.bits), warp_l[warp][4 * nt + t] = sm.l[nt];
     }
+    if (g < kValueGroups) warp_z[warp][2 * t][g] = acc.zero[0], warp_z[warp][2 * t + 1][g] = acc.zero[1];
 #pragma unroll
-    for (int mi = 0; mi < kValueTiles; ++mi) {
-      const int channel = (8 * (mi / kHalf) + g) * kCpw + mi % kHalf;
-      warp_o[warp][2 * t][channel] = o[mi][0];
-      warp_o[warp][2 * t + 1][channel] = o[mi][1];
-      warp_o[warp][2 * t][channel + kHalf] = o[mi][2];
-      warp_o[warp][2 * t + 1][channel + kHalf] = o[mi][3];
+    for (int mi = 0; mi < kValueTiles; ++mi) {  // in true units: channel 32 G + 4 g + 2 h (row g), + 1 (row g + 8)
+      const int channel = kGroup * (mi / 2) + 4 * g + 2 * (mi % 2);
+      const float row = 1.f / code_unit(2 * (mi % 2)), next = 1.f / code_unit(2 * (mi % 2) + 1);
+      warp_o[warp][2 * t][channel] = acc.o[mi][0] * row;
+      warp_o[warp][2 * t + 1][channel] = acc.o[mi][1] * row;
+      warp_o[warp][2 * t][channel + 1] = acc.o[mi][2] * next;
+      warp_o[warp][2 * t + 1][channel + 1] = acc.o[mi][3] * next;
     }
     sync_block();
-    for (int i = threadIdx.x; i < hg * D; i += kWarps * 32) {
+    // The block's place, derived again: kept from the start, two of its registers were spilled across the loop.
+    const int kv_heads = opaque(a.kv_heads), b_out = bh / kv_heads, h_out = bh % kv_heads;
+    const int hg_out = a.q_heads / kv_heads;
+    for (int i = threadIdx.x; i < hg_out * D; i += kWarps * 32) {
       const int head = i / D, c = i % D;
       float top = -INFINITY;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) top = fmaxf(top, warp_m[w][head]);
-      float sum = 0.f, acc = 0.f;
+      float sum = 0.f, out = 0.f;
       if (top != -INFINITY) {
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) {
           const float f = fast_exp2(warp_m[w][head] - top);
           sum += f * warp_l[w][head];
-          acc += f * warp_o[w][head][c];
+          out += f * (warp_o[w][head][c] + warp_z[w][head][c / kGroup]);
         }
       }
-      const int qh = h * hg + head;
+      const int qh = h_out * hg_out + head;
       if (a.splits == 1) {
-        const int64_t at = b * a.stride_ob + qh * a.stride_oh + c;
+        const int64_t at = b_out * a.stride_ob + qh * a.stride_oh + c;
         if (a.out_f32)
-          static_cast<float*>(a.out)[at] = acc / sum;
+          static_cast<float*>(a.out)[at] = out / sum;
         else
-          static_cast<uint16_t*>(a.out)[at] = float_to_half(acc / sum);
+          static_cast<uint16_t*>(a.out)[at] = float_to_half(out / sum);
       } else {
-        const int64_t row = (int64_t(b) * a.q_heads + qh) * a.splits + split;
-        a.part[row * D + c] = sum > 0.f ? acc / sum : 0.f;
+        const int64_t row = (int64_t(b_out) * a.q_heads + qh) * a.splits + split;
+        a.part[row * D + c] = sum > 0.f ? out / sum : 0.f;
         if (c == 0) a.lse[row] = sum > 0.f ? top + fast_log2(sum) : -INFINITY;
       }
     }

@@ -17,13 +17,6 @@ KIVI_DEVICE uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
   return d;
 }
 
-// (a & b) | c in one instruction: written as & and |, ptxas kept two when both masks were constants.
-KIVI_DEVICE uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
 // a op b on fp16 pairs, rounded to nearest: hsub2, hadd2, hmul2.
 #define KIVI_HALF2_BINARY(name, instruction)                       \
   KIVI_DEVICE uint32_t name(uint32_t a, uint32_t b) {              \
@@ -41,6 +34,15 @@ KIVI_DEVICE uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
+
+// x, as a value the compiler cannot trace back: what is derived from it is computed again, not kept live.
+KIVI_DEVICE int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+// The larger of each 16-bit half, unsigned.
+KIVI_DEVICE uint32_t max_u16x2(uint32_t a, uint32_t b) { return __vmaxu2(a, b); }
 
 // {lo, hi} rounded to nearest into one half2 (lo in the low 16 bits).
 KIVI_DEVICE uint32_t pack_half2(float lo, float hi) {
@@ -71,6 +73,7 @@ KIVI_DEVICE uint32_t shfl(uint32_t v, int src) { return __shfl_sync(0xFFFFFFFFu,
 KIVI_DEVICE float shfl(float v, int src) { return __shfl_sync(0xFFFFFFFFu, v, src); }
 KIVI_DEVICE float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xFFFFFFFFu, v, mask); }
 KIVI_DEVICE bool warp_any(bool p) { return __any_sync(0xFFFFFFFFu, p); }
+KIVI_DEVICE uint32_t warp_max(uint32_t v) { return __reduce_max_sync(0xFFFFFFFFu, v); }
 KIVI_DEVICE void sync_block() { __syncthreads(); }
 
 // 16 bytes from global to shared memory, asynchronously; only the first `bytes` are read, the rest zero-filled.
