@@ -154,16 +154,16 @@ def faster_than_triton(config: KiviConfig, q_heads: int, kv_heads: int) -> bool:
 
 
 def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
-    """Splits per sequence: enough for two blocks per multiprocessor, and up to eight where each split still holds
-    16 units (4 per warp). Measured on the H200 (``tools.kernel_bench --sweep`` and the engine's step, BENCHMARKS.md):
-    at short contexts more blocks only add waves and merging, and a warp of a single unit waits for all its loads
-    (its copies overlap its computing from its second unit on): Qwen2.5-1.5B's shape at B = 64, S = 1,024 ran in
-    0.0223 ms at 2 splits against 0.0271 at 4, and the engine's 256 slots of ragged lengths in 0.076 at 1 against
-    0.108 at 3; at long contexts with few sequences more splits fill the GPU (GQA 32 / 8, B = 8, S = 32K: 0.181 ms
-    at 4, 0.166 at 17)."""
+    """Splits per sequence: enough for one block per multiprocessor, and up to eight where each split still holds
+    16 units (4 per warp). Measured on the H200 (``tools.kernel_bench --sweep``, BENCHMARKS.md): at short contexts
+    more blocks only add waves and merging, and a warp of a single unit waits for all its loads (its copies overlap
+    its computing from its second unit on): at 45b4c7f Qwen2.5-1.5B's shape at B = 64, S = 1,024 ran in 0.0193 ms at
+    1 split against 0.0198 at 2 and 0.0262 at 4 (two blocks per multiprocessor, the rule before, chose 2), at
+    B = 256 in 0.0499 at 1 against 0.0574 at 2; at long contexts with few sequences more splits fill the GPU (GQA
+    32 / 8, B = 8, S = 32K: 0.2302 ms at 1, 0.0935 at 4, 0.0884-0.0912 from 6 to 24)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     pairs, units = batch * kv_heads, -(-max_tokens // UNIT_TOKENS)
-    return max(1, 2 * sms // pairs, min(-(-8 * sms // pairs), units // (4 * WARPS)))
+    return max(1, sms // pairs, min(-(-8 * sms // pairs), units // (4 * WARPS)))
 
 
 def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, counts: torch.Tensor,

@@ -149,7 +149,7 @@ def test_cpu_tensors_need_the_emulation():
         cuda_decode.decode_attention(query, ks.buffers, vs.buffers, counts, CONFIGS["kivi-2"], 0.1, 1)
 
 
-SPLIT_SWEEP = Path(__file__).resolve().parents[2] / "benchmarks" / "2026-12-02-cuda-decode-split-sweep.json"
+SPLIT_SWEEP = Path(__file__).resolve().parents[2] / "benchmarks" / "2026-12-03-cuda-decode-split-sweep-values-in-place.json"
 
 
 def test_the_default_split_count_is_near_the_best_the_h200_sweep_measured(monkeypatch):
