@@ -2,8 +2,8 @@
 
 The kernels serve CUDA tensors; the PyTorch oracle (kivi.quant, kivi.attention) serves the rest and every shape
 the kernels do not take (``unsupported``). KIVI decode attention runs on the CUDA C++ kernel where it serves the
-layer (``kivi.kernels.cuda_decode``: fp16, 2 or 4 bits, head sizes 128 and 256, up to 8 query heads per KV head) and
-was measured faster (``cuda_decode.faster_than_triton``), else on the Triton kernel. All read and write the layout
+layer (``kivi.kernels.cuda_decode``: fp16, 2 or 4 bits, head sizes 128 and 256, up to 8 query heads per KV head),
+else on the Triton kernel. All read and write the layout
 of kivi.quant, so a cache holds the same codes whichever served it.
 """
 
@@ -52,15 +52,13 @@ def decode(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, coun
            scaling: float, max_tokens: int, out: torch.Tensor | None = None, v_ring: bool = False,
            softcap: float | None = None, num_splits: int | None = None, kernel: str = "auto") -> torch.Tensor:
     """The fused decode attention over one layer's buffers (see ``kivi.kernels.decode_attention.decode_attention``):
-    ``kernel`` "auto" takes the CUDA kernel where it serves the layer and was measured faster
-    (``cuda_decode.faster_than_triton``), else Triton's; "triton" or "cuda" ask for one. ``num_splits`` None: the
+    ``kernel`` "auto" takes the CUDA kernel where it serves the layer (on the H200 it beat Triton's at every size
+    measured, 2 and 4 bits: BENCHMARKS.md), else Triton's; "triton" or "cuda" ask for one. ``num_splits`` None: the
     serving kernel's choice for sequences of up to ``max_tokens`` tokens."""
     batch, kv_heads = keys.resid.shape[:2]
     if kernel not in ("auto", "triton", "cuda"):
         raise ValueError(f"decode: kernel must be 'auto', 'triton' or 'cuda', got {kernel!r}")
-    if kernel == "cuda" or (kernel == "auto"  # the cheap question first: it spares a build where Triton is faster
-                            and cuda_decode.faster_than_triton(config, query.shape[1], kv_heads)
-                            and serves_cuda(config, query, kv_heads, keys.resid.dtype)):
+    if kernel == "cuda" or (kernel == "auto" and serves_cuda(config, query, kv_heads, keys.resid.dtype)):
         module, default = cuda_decode, lambda: cuda_decode.default_num_splits(batch, kv_heads, max_tokens, query.device)
     else:
         module, default = kivi_decode, lambda: kivi_decode.default_num_splits(batch, kv_heads, max_tokens, config,

@@ -145,14 +145,6 @@ def unsupported(config: KiviConfig, query_shape: tuple[int, ...], kv_heads: int,
     return None
 
 
-def faster_than_triton(config: KiviConfig, q_heads: int, kv_heads: int) -> bool:
-    """Where this kernel beat the Triton kernel on the H200 (BENCHMARKS.md, same runs): grouped heads at every length
-    and 2-bit MHA at every length measured (KIVI-2, 9ffe5c4: Qwen2.5-1.5B's 12 / 2 at S = 1,024 5.0x, GQA 32 / 8 at
-    32K 2.5x; Llama-2-7B's MHA at S = 640 1.7x, 4K 1.24x, 32K 1.24x). 4-bit MHA stays on the Triton kernel: at f690bc4
-    this one won at 4K and 32K (1.11x, 1.14x) and lost at S = 640 (0.94x)."""
-    return q_heads > kv_heads or config.k_bits == 2
-
-
 def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
     """Splits per sequence: enough for one block per multiprocessor, and up to eight where each split still holds
     16 units (4 per warp). Measured on the H200 (``tools.kernel_bench --sweep``, BENCHMARKS.md): at short contexts
