@@ -11,7 +11,8 @@ operand is rounded to fp16 the way a tensor-core kernel would hold it:
   2^bits times the probability, bits as large as keeps p * s of the largest scale below 2^15, at most 15 (what the
   CUDA kernel does); ``p*s fp16 x1``: the same with bits = 0, where p * s of small value scales falls among fp16's
   subnormals.
-On random K/V with outlier channels (``tools.kernel_data.outlier_kv``) and the real SmolLM2 K/V of the tests.
+On random K/V with outlier channels (``tools.kernel_data.outlier_kv``), the same with values 1e-4 as large, and the
+real SmolLM2 K/V of the tests.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from kivi.quant import GROUP_DIM, quantize, unpack
 from tools.kernel_data import REAL_KV, outlier_kv, relative_error
+from tools.trees import git_sha
 
 GROUP, RESIDUAL = 32, 128
 
@@ -91,6 +93,10 @@ def main() -> None:
         keys, values = outlier_kv(2, 4, tokens, 128, torch.float16, "cpu", gen)
         query = torch.randn(2, 16, 128, generator=gen).half()
         rows.append({"data": f"random, outlier keys, GQA 16/4x128, S={tokens}", **variant_errors(query, keys, values)})
+    keys, values = outlier_kv(2, 4, 4096, 128, torch.float16, "cpu", gen)
+    query = torch.randn(2, 16, 128, generator=gen).half()
+    rows.append({"data": "random as above, values x 1e-4, S=4096",
+                 **variant_errors(query, keys, (values.float() * 1e-4).half())})
     real = torch.load(REAL_KV)
     rows.append({"data": f"SmolLM2-135M layers {real['layers']}, S={real['keys'].shape[2]}",
                  **variant_errors(real["queries"][:, :, -1].half(), real["keys"].half(), real["values"].half())})
@@ -100,7 +106,7 @@ def main() -> None:
         print(f"{r['data']:48} " + " ".join(f"{r[n]:12.2e}" for n in names))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bits": 2, "group_size": GROUP, "residual_length": RESIDUAL, "rows": rows}, f, indent=1)
+            json.dump({"git": git_sha(), "bits": 2, "group_size": GROUP, "residual_length": RESIDUAL, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
