@@ -160,9 +160,10 @@ struct Decode {
   };
 
   // A warp's online softmax: m the running maximum of head 4 nt + t (log2 units), l its sum of probabilities, each
-  // 2^(x - m + bits), not 2^(x - m): p * s (an fp16 operand) of value scales near 1e-3 would fall among fp16's
-  // subnormals otherwise (tools.decode_precision: 1.1e-2 relative error at 16K tokens, 1.1e-3 with a factor 16).
-  // bits is lowered, never raised, so that p * s of the largest value scale yet seen stays below 2^15.
+  // 2^(x - m + bits), not 2^(x - m): p * s (an fp16 operand) of small value scales would fall among fp16's
+  // subnormals otherwise (tools.decode_precision, values 1e-4 as large: 2.4e-2 relative error without the factor,
+  // 1.3e-4 with it). bits is lowered, never raised, so that p * s of the largest value scale yet seen stays below
+  // 2^15 (a fixed factor overflows for large scales: 2^15 above 2).
   struct Softmax {
     float m[NT], l[NT];
     int bits;
