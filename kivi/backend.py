@@ -3,8 +3,8 @@
 The kernels serve CUDA tensors; the PyTorch oracle (kivi.quant, kivi.attention) serves the rest and every shape
 the kernels do not take (``unsupported``). KIVI decode attention runs on the CUDA C++ kernel where it serves the
 layer (``kivi.kernels.cuda_decode``: fp16, 2 or 4 bits, head sizes 128 and 256, up to 8 query heads per KV head),
-else on the Triton kernel. All read and write the layout
-of kivi.quant, so a cache holds the same codes whichever served it.
+else on the Triton kernel. All read and write the layout of kivi.quant, so a cache holds the same codes whichever
+served it.
 """
 
 from __future__ import annotations

@@ -57,12 +57,15 @@ def variant_errors(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         quantized = (q_times_s * kc.unsqueeze(2)).sum(-1) + torch.einsum("bhgd,bhtd->bhgt", q, kz)
         return torch.cat([quantized, torch.einsum("bhgd,bhtd->bhgt", q, keys[:, :, n:].double())], -1) * scale
 
+    def unnormalized(s: torch.Tensor) -> torch.Tensor:
+        return torch.exp(s - s.amax(-1, keepdim=True))
+
     def attend(s: torch.Tensor, v: torch.Tensor = v_full, p16: bool = False) -> torch.Tensor:
-        p = torch.exp(s - s.amax(-1, keepdim=True))
+        p = unnormalized(s)
         return torch.einsum("bhgt,bhtd->bhgd", p.half().double() if p16 else p, v) / p.sum(-1, keepdim=True)
 
     def attend_codes(s: torch.Tensor, factor: float) -> torch.Tensor:
-        p = torch.exp(s - s.amax(-1, keepdim=True)) * factor
+        p = unnormalized(s) * factor
         p16 = p.half().double()
         ps = (p16[..., :n].unsqueeze(-1) * vs.unsqueeze(2)).half().double()  # [B, Hkv, g, n, D]
         out = (ps * vc.unsqueeze(2)).sum(3) + torch.einsum("bhgt,bhtd->bhgd", p16[..., :n], vz)
@@ -89,14 +92,12 @@ def main() -> None:
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for tokens in (1024, 4096, 16384):
+    for tokens, value_scale in ((1024, 1.0), (4096, 1.0), (16384, 1.0), (4096, 1e-4)):
         keys, values = outlier_kv(2, 4, tokens, 128, torch.float16, "cpu", gen)
         query = torch.randn(2, 16, 128, generator=gen).half()
-        rows.append({"data": f"random, outlier keys, GQA 16/4x128, S={tokens}", **variant_errors(query, keys, values)})
-    keys, values = outlier_kv(2, 4, 4096, 128, torch.float16, "cpu", gen)
-    query = torch.randn(2, 16, 128, generator=gen).half()
-    rows.append({"data": "random as above, values x 1e-4, S=4096",
-                 **variant_errors(query, keys, (values.float() * 1e-4).half())})
+        scaled = f", values x {value_scale:g}" if value_scale != 1 else ""
+        rows.append({"data": f"random, outlier keys, GQA 16/4x128, S={tokens}{scaled}",
+                     **variant_errors(query, keys, (values.float() * value_scale).half())})
     real = torch.load(REAL_KV)
     rows.append({"data": f"SmolLM2-135M layers {real['layers']}, S={real['keys'].shape[2]}",
                  **variant_errors(real["queries"][:, :, -1].half(), real["keys"].half(), real["values"].half())})
