@@ -102,9 +102,9 @@ def main() -> None:
     rows.append({"data": f"SmolLM2-135M layers {real['layers']}, S={real['keys'].shape[2]}",
                  **variant_errors(real["queries"][:, :, -1].half(), real["keys"].half(), real["values"].half())})
     names = [k for k in rows[0] if k != "data"]
-    print(f"{'data':48} " + " ".join(f"{n:>12}" for n in names))
+    print(f"{'data':64} " + " ".join(f"{n:>12}" for n in names))
     for r in rows:
-        print(f"{r['data']:48} " + " ".join(f"{r[n]:12.2e}" for n in names))
+        print(f"{r['data']:64} " + " ".join(f"{r[n]:12.2e}" for n in names))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"git": git_sha(), "bits": 2, "group_size": GROUP, "residual_length": RESIDUAL, "rows": rows}, f, indent=1)
