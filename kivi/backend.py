@@ -50,30 +50,40 @@ def quantize(x: torch.Tensor, stream: StreamConfig) -> Quantized:
 
 def decode(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, counts: torch.Tensor, config: KiviConfig,
            scaling: float, max_tokens: int, out: torch.Tensor | None = None, v_ring: bool = False,
-           softcap: float | None = None, num_splits: int | None = None, kernel: str = "auto") -> torch.Tensor:
+           softcap: float | None = None, num_splits: int | None = None, kernel: str = "auto",
+           warps: int | None = None) -> torch.Tensor:
     """The fused decode attention over one layer's buffers (see ``kivi.kernels.decode_attention.decode_attention``):
     ``kernel`` "auto" takes the CUDA kernel where it serves the layer (on the H200 it beat Triton's at every size
     measured, 2 and 4 bits: BENCHMARKS.md), else Triton's; "triton" or "cuda" ask for one. ``num_splits`` None: the
-    serving kernel's choice for sequences of up to ``max_tokens`` tokens."""
+    serving kernel's choice for sequences of up to ``max_tokens`` tokens; ``warps`` (per block, the CUDA kernel's
+    alone) None: its choice."""
     batch, kv_heads = keys.resid.shape[:2]
     if kernel not in ("auto", "triton", "cuda"):
         raise ValueError(f"decode: kernel must be 'auto', 'triton' or 'cuda', got {kernel!r}")
     if kernel == "cuda" or (kernel == "auto" and serves_cuda(config, query, kv_heads, keys.resid.dtype)):
-        module, default = cuda_decode, lambda: cuda_decode.default_num_splits(batch, kv_heads, max_tokens, query.device)
-    else:
-        module, default = kivi_decode, lambda: kivi_decode.default_num_splits(batch, kv_heads, max_tokens, config,
-                                                                              query.device)
-    return module.decode_attention(query, keys, values, counts, config, scaling, num_splits or default(), out,
-                                   v_ring=v_ring, softcap=softcap)
+        splits = num_splits or cuda_decode.default_num_splits(batch, kv_heads, max_tokens, query.device)
+        warps = warps or cuda_decode.default_warps(batch, kv_heads, splits, max_tokens, config, tuple(query.shape),
+                                                   query.device)
+        return cuda_decode.decode_attention(query, keys, values, counts, config, scaling, splits, out, v_ring=v_ring,
+                                            softcap=softcap, warps=warps)
+    if warps:
+        raise ValueError(f"decode: warps={warps} is the CUDA kernel's block size; the Triton kernel serves this layer")
+    splits = num_splits or kivi_decode.default_num_splits(batch, kv_heads, max_tokens, config, query.device)
+    return kivi_decode.decode_attention(query, keys, values, counts, config, scaling, splits, out, v_ring=v_ring,
+                                        softcap=softcap)
 
 
 def serves_cuda(config: KiviConfig, query: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> bool:
     """Whether the CUDA kernel serves this layer's decode (builds it at the first question on a device; where it
-    cannot be built, warns once and the Triton kernel serves)."""
+    cannot be built, or its block does not fit the device's shared memory, warns once and the Triton kernel serves)."""
     if not query.is_cuda or cuda_decode.unsupported(config, tuple(query.shape), kv_heads, dtype):
         return False
     if reason := cuda_decode.unavailable(query.device):
         _warn_once(f"KIVI decode attention runs on the Triton kernel: the CUDA kernel is unavailable ({reason})")
+        return False
+    if not cuda_decode.fits(config, tuple(query.shape), kv_heads, query.device):
+        _warn_once(f"KIVI decode attention of {config.k_bits}-bit head_dim {query.shape[3]} runs on the Triton kernel: the "
+                   f"CUDA kernel's block takes more shared memory than {torch.cuda.get_device_name(query.device)} has")
         return False
     return True
 
@@ -91,10 +101,10 @@ def flush(key_resid: torch.Tensor, value_ring: torch.Tensor, keys: Quantized, va
 
 def decode_attention(query: torch.Tensor, key_stream, value_stream, scaling: float, num_splits: int | None = None,
                      out: torch.Tensor | None = None, config: KiviConfig | None = None,
-                     softcap: float | None = None, kernel: str = "auto") -> torch.Tensor:
+                     softcap: float | None = None, kernel: str = "auto", warps: int | None = None) -> torch.Tensor:
     """The fused decode attention of query [B, Hq, 1, D] over everything two ``kivi.stream.KVStream``s hold.
-    Returns [B, Hq, 1, D]. ``config``: the layer's, which the streams' configs give when omitted; ``kernel``: as
-    ``decode``'s."""
+    Returns [B, Hq, 1, D]. ``config``: the layer's, which the streams' configs give when omitted; ``kernel`` and
+    ``warps``: as ``decode``'s."""
     config = config or KiviConfig.from_streams(key_stream.config, value_stream.config)
     if reason := unsupported(config, query.shape):
         raise ValueError(f"decode_attention: {reason}")
@@ -106,4 +116,4 @@ def decode_attention(query: torch.Tensor, key_stream, value_stream, scaling: flo
     after_sink = [q + r for q, r in zip(key_stream.n_quant, key_stream.n_resid)]
     counts = torch.tensor([key_stream.n_sink, key_stream.n_quant, value_stream.n_quant, after_sink], dtype=torch.int32)
     return decode(query, key_stream.buffers, value_stream.buffers, counts.to(query.device), config, scaling,
-                  max(after_sink), out, softcap=softcap, num_splits=num_splits, kernel=kernel)
+                  max(after_sink), out, softcap=softcap, num_splits=num_splits, kernel=kernel, warps=warps)

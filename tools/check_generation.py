@@ -1,12 +1,20 @@
-"""Greedy generation on a real model with the Triton path against the PyTorch oracle path (CUDA).
+"""Greedy generation on a real model through the kernels and through the decode engine, against the PyTorch
+oracle path.
 
-    python -m tools.check_generation --model SmolLM2-135M-Instruct.Q4_1.gguf --text essay.txt
+    python -m tools.check_generation --model smollm2-135m --text essay.txt [--head-dim 128] [--json out.json]
 
-Each prompt runs twice under KIVI-2 (G = 32, R = 128): KiviCache(use_kernels=True), whose decode steps
-use kivi.kernels.decode_attention and kivi.kernels.quantize, and use_kernels=False, the kivi/ oracle. Where the
-tokens first differ, the gap between the oracle's two best logits at that step shows whether it was a tie,
-and the quantized keys and values of the two caches (positions before that token) whether rounding-level
-differences in earlier steps already flipped codes: a block flushed during generation holds generated
+Each prompt runs under KIVI-2 (G = 32, R = 128) three ways: ``generate`` with KiviCache(use_kernels=True), whose
+decode steps go through kivi.backend (the CUDA kernel where it serves the layer, else Triton's) and
+kivi.kernels.quantize; ``generate`` with use_kernels=False, the kivi/ oracle; and the decode engine
+(pipeline.decode_engine: every prompt in one batch, one slot each, CUDA-graph steps on the slot cache and the same
+kernels), as ``kivi-eval generate`` runs a shard. EOS ends nothing: every path makes ``--tokens`` tokens from the
+unmodified logits. ``--head-dim`` widens the model's heads first (tools.widen_heads: the same function), so that a
+kernel of that head size serves it: SmolLM2-135M's heads of 64 at 128 run on the CUDA kernel. ``--device cpu`` runs
+the same three on the oracle (a check of the tool, not of the kernels).
+
+Where a path's tokens first differ from the oracle's, the gap between the oracle's two best logits at that step
+shows whether it was a tie, and for ``generate`` the quantized keys and values of the two caches (positions before
+that token) whether rounding-level differences in earlier steps already flipped codes: a block flushed during generation holds generated
 tokens, whose keys differ slightly between the paths, and a key at a rounding boundary (or a group's new
 minimum or maximum) then takes another code, a change of a whole quantization step.
 """
@@ -14,18 +22,25 @@ minimum or maximum) then takes another code, a change of a whole quantization st
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
 
 from kivi import KiviCache, KiviConfig, enable_kivi
+from kivi.backend import serves_cuda
+from pipeline.decode_engine import DecodeEngine, Sequence
 from pipeline.models import load_model
+from tools.kernel_bench import git_sha
+from tools.widen_heads import widen_heads
+
+PROMPT_LENGTHS = (300, 600, 900, 1200)
 
 
 def _generate(model, ids, use_kernels: bool, new_tokens: int):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, past_key_values=KiviCache(model.config, KiviConfig(), use_kernels),
-                         output_scores=True, return_dict_in_generate=True)
+                         past_key_values=KiviCache(model.config, KiviConfig(), use_kernels), output_scores=True,
+                         return_dict_in_generate=True)
     return out.sequences[0, ids.shape[1]:], out.scores, out.past_key_values
 
 
@@ -43,32 +58,73 @@ def _quantized_differences(fused: KiviCache, oracle: KiviCache, positions: int) 
     return differing, compared
 
 
+def _decode_kernel(model) -> str:
+    """The kernel kivi.backend gives this model's KIVI-2 decode steps (its layers share one shape)."""
+    if model.device.type != "cuda":
+        return "the oracle (CPU)"
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    query = torch.empty(1, config.num_attention_heads, 1, head_dim, dtype=model.dtype, device=model.device)
+    return "the CUDA kernel" if serves_cuda(KiviConfig(), query, config.num_key_value_heads, model.dtype) else "the Triton kernel"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", required=True, help="a packaged model's name, a .gguf file or a model folder")
     parser.add_argument("--text", required=True, help="a long text; prompts are its first 300, 600, 900, 1200 tokens")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--head-dim", type=int, help="widen the attention heads to this size first")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json", help="write every row here")
     args = parser.parse_args(argv)
-    model, tokenizer = load_model(args.model, device="cuda", dtype=torch.float16)
+    dtype = torch.float16 if args.device == "cuda" else torch.float32
+    model, tokenizer = load_model(args.model, device=args.device, dtype=dtype)
+    if args.head_dim:
+        widen_heads(model, args.head_dim)
+    model.generation_config.eos_token_id = None  # every path runs to --tokens on the unmodified logits
     enable_kivi(model)
-    text_ids = tokenizer(Path(args.text).read_text(), return_tensors="pt").input_ids.cuda()
-    same = 0
-    print(f"{'prompt':>7} {'equal':>6} {'first diff':>10} {'oracle top-2 gap':>17} {'quantized K/V differing before it':>34}")
+    text_ids = tokenizer(Path(args.text).read_text(), return_tensors="pt").input_ids.to(model.device)
+    prompts = [text_ids[:, :length] for length in PROMPT_LENGTHS]
+    rows = []
     with torch.inference_mode():
-        for length in (300, 600, 900, 1200):
-            ids = text_ids[:, :length]
+        for ids in prompts:
             fused, _, fused_cache = _generate(model, ids, True, args.tokens)
             oracle, scores, oracle_cache = _generate(model, ids, False, args.tokens)
-            diff = (fused != oracle).nonzero()
-            if len(diff) == 0:
-                same += 1
-                print(f"{length:>7} {'yes':>6} {'-':>10} {'-':>17}")
-                continue
-            step = int(diff[0])
-            top2 = scores[step][0].float().topk(2).values
-            differing, compared = _quantized_differences(fused_cache, oracle_cache, length + step)
-            print(f"{length:>7} {'no':>6} {step:>10} {float(top2[0] - top2[1]):>17.4f} {f'{differing} of {compared}':>34}")
-    print(f"{same}/4 prompts give identical {args.tokens}-token greedy continuations")
+            rows.append(dict(prompt=ids.shape[1], oracle=oracle.tolist(), scores=scores, caches=(fused_cache, oracle_cache),
+                             paths={"generate": fused.tolist()}))
+        engine = DecodeEngine(model).generate([Sequence(ids[0].tolist(), args.tokens) for ids in prompts], KiviConfig(),
+                                              slots=len(prompts))
+    for row, completion in zip(rows, engine.completions):
+        row["paths"]["engine"] = completion.tokens
+    kernel = _decode_kernel(model)
+    print(f"KIVI-2 decode attention: {kernel}")
+    print(f"{'prompt':>7} {'path':>9} {'equal':>6} {'first diff':>10} {'oracle top-2 gap':>17} "
+          f"{'quantized K/V differing before it':>34}")
+    results = []
+    for row in rows:
+        for path, tokens in row["paths"].items():
+            result = dict(prompt=row["prompt"], path=path, equal=tokens == row["oracle"], first_difference=None,
+                          top2_gap=None)
+            if not result["equal"]:
+                step = next(i for i, (a, b) in enumerate(zip(tokens, row["oracle"])) if a != b)
+                top2 = row["scores"][step][0].float().topk(2).values
+                result.update(first_difference=step, top2_gap=float(top2[0] - top2[1]))
+                if path == "generate":  # the engine's slot cache is not a KiviCache: only generate's can be compared
+                    result["quantized_differing"] = _quantized_differences(*row["caches"], row["prompt"] + step)
+            results.append(result)
+            diff = "-" if result["equal"] else result["first_difference"]
+            gap = "-" if result["equal"] else f"{result['top2_gap']:.4f}"
+            cache = result.get("quantized_differing")
+            print(f"{row['prompt']:>7} {path:>9} {'yes' if result['equal'] else 'no':>6} {diff:>10} {gap:>17} "
+                  f"{f'{cache[0]} of {cache[1]}' if cache else '-':>34}")
+    for path in ("generate", "engine"):
+        same = sum(r["equal"] for r in results if r["path"] == path)
+        print(f"{path}: {same}/{len(prompts)} prompts give the oracle's {args.tokens}-token greedy continuation")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(model=args.model, head_dim=args.head_dim, tokens=args.tokens, kernel=kernel,
+                                                   git_sha=git_sha(),
+                                                   device=torch.cuda.get_device_name() if model.device.type == "cuda" else "cpu",
+                                                   rows=results), indent=1))
     return 0
 
 

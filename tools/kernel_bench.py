@@ -9,7 +9,7 @@ median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``) over input 
 4x the L2 cache: GPU time as the decode engine's captured step sees it, without the host's launch overhead
 (which bounds small cases launched eagerly). Effective bandwidth = bytes that must be read and written / time,
 as % of a device-to-device copy measured in the same run. ``--sweep`` times the CUDA kernel at each split count
-instead.
+and block size (4 and 8 warps) instead.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from kivi import backend
 from kivi.kernels import cuda_decode, dense_decode
 from kivi.kernels.decode_attention import decode_attention, default_num_splits
 from kivi.kernels.quantize import quantize, quantize_into
@@ -131,12 +132,18 @@ def time_kivi(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bit
 
 
 def time_cuda(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bits: int,
-              splits: int | None = None) -> tuple[float, int, int]:
-    """(median ms, bytes, splits) of the CUDA kernel; ``splits`` None: its default."""
+              splits: int | None = None, warps: int | None = None) -> tuple[float, int, int]:
+    """(median ms, bytes, splits) of the CUDA kernel; ``splits`` None: its default; ``warps`` (per block) None: as
+    kivi.backend launches it for that split count."""
     batch, kv_heads, tokens, dim = keys.shape
     config = kivi_config(bits)
     splits = splits or cuda_decode.default_num_splits(batch, kv_heads, tokens, query.device)
-    call = lambda q, k, v, counts: cuda_decode.decode_attention(q, k, v, counts, config, dim**-0.5, splits)  # noqa: E731
+    if warps is None:
+        call = lambda q, k, v, counts: backend.decode(q, k, v, counts, config, dim**-0.5, tokens,  # noqa: E731
+                                                      num_splits=splits, kernel="cuda")
+    else:
+        call = lambda q, k, v, counts: cuda_decode.decode_attention(q, k, v, counts, config, dim**-0.5,  # noqa: E731
+                                                                    splits, warps=warps)
     return (*time_kivi_call(query, keys, values, config, call), splits)
 
 
@@ -201,25 +208,31 @@ SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 17, 24, 33)
 
 
 def sweep(gen: torch.Generator) -> list[dict]:
-    """CUDA KIVI-2 time per split count at the regimes of the targets (and the default's choice); the log gets every
-    row, the screen the best per size."""
+    """CUDA KIVI-2 time per split count and block size at the regimes of the targets (and the defaults' choice); the
+    log gets every row, the screen the best per size."""
     rows = []
+    config = kivi_config(2)
     for case in (DecodeCase(*c) for c in SWEEP):
         query, keys, values = decode_inputs(case, gen)
         sdpa_ms, _ = time_sdpa(query, keys, values)
-        default = cuda_decode.default_num_splits(case.batch, case.heads[1], case.tokens, query.device)
+        launch = dict(batch=case.batch, kv_heads=case.heads[1], max_tokens=case.tokens, device=query.device)
+        default = cuda_decode.default_num_splits(**launch)
+        default_warps = cuda_decode.default_warps(splits=default, config=config, query_shape=tuple(query.shape), **launch)
         units = -(-case.tokens // cuda_decode.UNIT_TOKENS)
+        warps = [w for w in cuda_decode.WARPS if cuda_decode.fits(config, tuple(query.shape), case.heads[1], query.device, w)]
         timed = []
-        for splits in sorted({default, *(n for n in SWEEP_SPLITS if n <= units)}):
-            ms, _, _ = time_cuda(query, keys, values, 2, splits)
+        for splits, block in itertools.product(sorted({default, *(n for n in SWEEP_SPLITS if n <= units)}), warps):
+            ms, _, _ = time_cuda(query, keys, values, 2, splits, block)
+            chosen = (splits, block) == (default, default_warps)
             timed.append({"shape": case.shape, "batch": case.batch, "tokens": case.tokens, "sdpa_ms": sdpa_ms,
-                          "cuda2_ms": ms, "splits": splits, "default": splits == default})
-            print(f"  splits={splits}{' (default)' if splits == default else ''}: {ms:.4f} ms", flush=True)
+                          "cuda2_ms": ms, "splits": splits, "warps": block, "default": chosen})
+            print(f"  splits={splits} warps={block}{' (default)' if chosen else ''}: {ms:.4f} ms", flush=True)
         best = min(timed, key=lambda r: r["cuda2_ms"])
         mine = next(r for r in timed if r["default"])
-        print(f"sweep {case.shape} B={case.batch} S={case.tokens}: best splits={best['splits']} {best['cuda2_ms']:.4f} ms "
-              f"(x{sdpa_ms / best['cuda2_ms']:.2f} sdpa), default splits={default} {mine['cuda2_ms']:.4f} ms "
-              f"(x{sdpa_ms / mine['cuda2_ms']:.2f}), sdpa {sdpa_ms:.4f} ms", flush=True)
+        print(f"sweep {case.shape} B={case.batch} S={case.tokens}: best splits={best['splits']} warps={best['warps']} "
+              f"{best['cuda2_ms']:.4f} ms (x{sdpa_ms / best['cuda2_ms']:.2f} sdpa), default splits={default} "
+              f"warps={default_warps} {mine['cuda2_ms']:.4f} ms (x{sdpa_ms / mine['cuda2_ms']:.2f}), sdpa {sdpa_ms:.4f} ms",
+              flush=True)
         rows += timed
         del query, keys, values
         torch.cuda.empty_cache()
@@ -229,7 +242,7 @@ def sweep(gen: torch.Generator) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="kernels_bench.json")
-    parser.add_argument("--sweep", action="store_true", help="time the CUDA kernel at each split count at a few sizes instead")
+    parser.add_argument("--sweep", action="store_true", help="time the CUDA kernel at each split count and block size at a few sizes instead")
     parser.add_argument("--only", metavar="SHAPE:B:S[,...]", help="time these decode cases, e.g. llama2-7b:8:32768")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -19,6 +19,7 @@ import torch
 from transformers import MistralConfig
 
 from kivi.backend import decode_attention, serves_cuda
+from kivi.kernels import cuda_decode
 from kivi.kernels.quantize import quantize
 from kivi.config import KiviConfig
 from kivi.slot_cache import SlotCache
@@ -47,9 +48,10 @@ def check_quantize(rows: list[dict], gen: torch.Generator) -> None:
                 })
 
 
-def decode_rows(rows: list[dict], name: str, query, ks, vs, softcap: float | None = None, **kwargs) -> None:
-    """The Triton kernel against the oracle and, where it serves the case, the CUDA kernel against the oracle and
-    against the Triton kernel (the path the CPU tests run in the interpreter)."""
+def decode_rows(rows: list[dict], name: str, query, ks, vs, softcap: float | None = None, kernel_args: dict | None = None,
+                **kwargs) -> None:
+    """The Triton kernel against the oracle and, where it serves the case, the CUDA kernel (with ``kernel_args``)
+    against the oracle and against the Triton kernel (the path the CPU tests run in the interpreter)."""
     scaling = query.shape[-1] ** -0.5
     ref = reference_decode(query, ks, vs, scaling, softcap)
     outs = {}
@@ -58,7 +60,8 @@ def decode_rows(rows: list[dict], name: str, query, ks, vs, softcap: float | Non
                                                 ks.resid.dtype):
             break
         outs[kernel] = torch.full(query.shape, float("nan"), dtype=torch.float32, device="cuda")
-        decode_attention(query, ks, vs, scaling, out=outs[kernel], softcap=softcap, kernel=kernel, **kwargs)
+        extra = (kernel_args or {}) if kernel == "cuda" else {}
+        decode_attention(query, ks, vs, scaling, out=outs[kernel], softcap=softcap, kernel=kernel, **kwargs, **extra)
         err = relative_error(outs[kernel], ref)
         rows.append({"check": "decode" if kernel == "triton" else "cuda", "case": name, "metric": "rel. error",
                      "value": err, "ok": err <= TOLERANCE})
@@ -91,6 +94,24 @@ def check_decode_random(rows: list[dict], gen: torch.Generator) -> None:
         ks, vs = fill_streams(keys, values, lengths, configs["kivi-2"])
         decode_rows(rows, f"{shape} fp16 kivi-2 L={lengths}", query, ks, vs)
         decode_rows(rows, f"{shape} fp16 kivi-2 soft-capped at 8", query, ks, vs, softcap=8.0)
+    check_eight_warps(rows, gen)
+
+
+def check_eight_warps(rows: list[dict], gen: torch.Generator) -> None:
+    """The CUDA kernel's blocks of eight warps, every layout that takes them, where each warp has two units or more
+    (the backend chooses them for few blocks of such sequences: Qwen2.5-1.5B's shape at 64 slots)."""
+    lengths = [1024, 1000, 1290, 800] * 16  # B = 64
+    for (q_heads, kv_heads, dim), shape in (((12, 2, 128), "GQA 12/2x128"), ((32, 32, 128), "MHA 32x128"),
+                                            ((4, 1, 256), "MQA 4/1x256")):
+        keys, values = outlier_kv(len(lengths), kv_heads, max(lengths), dim, torch.float16, "cuda", gen)
+        query = torch.randn(len(lengths), q_heads, 1, dim, generator=gen, device="cuda").half()
+        for name in ("kivi-2", "kivi-4"):
+            config = KiviConfig.from_name(name)
+            if not cuda_decode.fits(config, tuple(query.shape), kv_heads, query.device, warps=8):
+                continue
+            ks, vs = fill_streams(keys, values, lengths, config)
+            decode_rows(rows, f"{shape} fp16 {name} B=64 L~1K 8 warps", query, ks, vs, kernel_args={"warps": 8},
+                        num_splits=1)
 
 
 def check_slot_steps(rows: list[dict], gen: torch.Generator) -> None:

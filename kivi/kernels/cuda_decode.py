@@ -3,7 +3,7 @@
 Same inputs and outputs as ``kivi.kernels.decode_attention.decode_attention`` (buffers in kivi.quant's layout,
 device counts, split partials merged by the same merge kernel), for the layouts it serves (``unsupported``):
 fp16, 2- or 4-bit keys and values alike, groups of 32, head sizes 128 and 256, up to 8 query heads per KV head,
-no sinks, compute capability 8.0 or newer. Built with nvcc for the device's architecture at first use, cached
+no sinks, compute capability 8.0 or newer with the shared memory the layout's block takes (``fits``). Built with nvcc for the device's architecture at first use, cached
 under ``$KIVI_KERNEL_CACHE`` (default ``~/.cache/kivi-eval/kernels``), loaded with ctypes and launched on the
 current stream, so CUDA graphs capture it like any kernel.
 
@@ -31,7 +31,8 @@ from kivi.kernels.buffers import check_decode_buffers
 from kivi.quant import StreamBuffers
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
-WARPS, UNIT_TOKENS = 4, 64  # warps per block, tokens a warp takes at a time (csrc/kivi_decode.cu)
+UNIT_TOKENS = 64  # tokens a warp takes at a time (csrc/kivi_decode.cu)
+WARPS = (4, 8)  # warps per block it takes: 4 for every layout, 8 where the device's shared memory holds their stages
 MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with fp32 accumulators
 
 
@@ -40,7 +41,7 @@ class _Args(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("q", "out", "part", "lse", "kc", "ks", "kz", "kr", "vc", "vs", "vz",
                                                      "vr", "counts")] + \
-        [(name, ctypes.c_int) for name in ("batch", "kv_heads", "q_heads", "splits")] + \
+        [(name, ctypes.c_int) for name in ("batch", "kv_heads", "q_heads", "splits", "warps")] + \
         [("qk_scale", ctypes.c_float), ("cap", ctypes.c_float)] + \
         [(name, ctypes.c_int64) for name in ("stride_qb", "stride_qh", "stride_ob", "stride_oh")] + \
         [(name, ctypes.c_int) for name in ("kc_rows", "ks_rows", "kr_rows", "vc_rows", "vr_rows", "ring", "out_f32")]
@@ -97,6 +98,8 @@ def library(emulate: bool = False, arch: str = "90") -> ctypes.CDLL:
     lib = ctypes.CDLL(str(_build(emulate, arch)))
     lib.kivi_decode.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.kivi_decode.restype = ctypes.c_int
+    lib.kivi_decode_shared_bytes.argtypes = [ctypes.c_int] * 4
+    lib.kivi_decode_shared_bytes.restype = ctypes.c_int
     lib.kivi_decode_error.argtypes = [ctypes.c_int]
     lib.kivi_decode_error.restype = ctypes.c_char_p
     return lib
@@ -114,12 +117,38 @@ def _device_library(index: int) -> ctypes.CDLL | str:
         return str(err)
 
 
+def _library_for(device: torch.device) -> ctypes.CDLL | str:
+    """The build that runs on ``device``: the GPU's (or why there is none), the emulation for CPU tensors."""
+    if device.type != "cuda":
+        return library(emulate=True)
+    return _device_library(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def unavailable(device: torch.device) -> str | None:
     """Why no CUDA build serves ``device`` (None when one does); builds it on first call."""
     if device.type != "cuda":
         return "not a CUDA device"
-    lib = _device_library(device.index if device.index is not None else torch.cuda.current_device())
+    lib = _library_for(device)
     return lib if isinstance(lib, str) else None
+
+
+def shared_bytes(bits: int, head_dim: int, q_per_kv: int, warps: int, device: torch.device) -> int:
+    """The shared memory of the kernel's block of ``warps`` warps for this layout; 0 where it has none."""
+    lib = _library_for(device)
+    return 0 if isinstance(lib, str) else lib.kivi_decode_shared_bytes(bits, head_dim, q_per_kv, warps)
+
+
+def block_shared_limit(device: torch.device) -> int:
+    """The most shared memory a block can take on ``device``: the multiprocessor's less the 1 KB the CUDA runtime
+    reserves per block (227 KB on Hopper, 163 KB on the A100, 99 KB on compute capability 8.6 and 8.9)."""
+    return torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor - 1024
+
+
+def fits(config: KiviConfig, query_shape: tuple[int, ...], kv_heads: int, device: torch.device, warps: int = 4) -> bool:
+    """Whether a block of ``warps`` warps of a layout the kernel serves (``unsupported``) fits ``device``'s shared
+    memory (4-bit head_dim 256 takes 160 KB at 4 warps: too much for compute capability 8.6 and 8.9)."""
+    needed = shared_bytes(config.k_bits, query_shape[3], query_shape[1] // kv_heads, warps, device)
+    return 0 < needed <= block_shared_limit(device)
 
 
 def unsupported(config: KiviConfig, query_shape: tuple[int, ...], kv_heads: int, dtype: torch.dtype) -> str | None:
@@ -155,15 +184,29 @@ def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch
     32 / 8, B = 8, S = 32K: 0.2302 ms at 1, 0.0935 at 4, 0.0884-0.0912 from 6 to 24)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     pairs, units = batch * kv_heads, -(-max_tokens // UNIT_TOKENS)
-    return max(1, sms // pairs, min(-(-8 * sms // pairs), units // (4 * WARPS)))
+    return max(1, sms // pairs, min(-(-8 * sms // pairs), units // 16))
+
+
+def default_warps(batch: int, kv_heads: int, splits: int, max_tokens: int, config: KiviConfig,
+                  query_shape: tuple[int, ...], device: torch.device) -> int:
+    """Warps per block: 8 where the blocks are fewer than the multiprocessors (a block per multiprocessor, one warp per
+    scheduler at 4 warps: a latency chain with nothing to hide it, Nsight Compute at Qwen2.5-1.5B's shape, B = 64,
+    S = 1,024), each warp still takes two units (its copies overlap its computing) and the block fits; else 4."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    units_per_split = -(-max_tokens // UNIT_TOKENS) // splits
+    if batch * kv_heads * splits < sms and units_per_split >= 2 * 8 and fits(config, query_shape, kv_heads, device, 8):
+        return 8
+    return 4
 
 
 def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, counts: torch.Tensor,
                      config: KiviConfig, scaling: float, num_splits: int, out: torch.Tensor | None = None,
-                     v_ring: bool = False, softcap: float | None = None, emulate: bool = False) -> torch.Tensor:
+                     v_ring: bool = False, softcap: float | None = None, emulate: bool = False,
+                     warps: int = 4) -> torch.Tensor:
     """Decode attention over KIVI buffers (the arguments of the Triton ``decode_attention``). Returns ``out``.
 
-    ``emulate``: run the CPU build on CPU tensors (tests)."""
+    ``warps``: per block, one of ``WARPS`` (``default_warps``); ``emulate``: run the CPU build on CPU tensors
+    (tests)."""
     kv_heads = keys.resid.shape[1]
     if reason := unsupported(config, tuple(query.shape), kv_heads, keys.resid.dtype):
         raise ValueError(f"cuda decode_attention: {reason}")
@@ -171,6 +214,13 @@ def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuf
         raise ValueError(f"cuda decode_attention: {query.device} tensors {'with' if emulate else 'without'} emulate "
                          "(the GPU build takes CUDA tensors, the emulation CPU tensors)")
     check_decode_buffers(query, keys, values, counts, config)
+    lib = _library_for(query.device)
+    if isinstance(lib, str):
+        raise RuntimeError(f"cuda decode_attention: {lib}")
+    layout = (config.k_bits, query.shape[3], query.shape[1] // kv_heads)
+    if warps not in WARPS or not lib.kivi_decode_shared_bytes(*layout, warps):
+        raise ValueError(f"cuda decode_attention: warps={warps}; this layout takes "
+                         f"{[w for w in WARPS if lib.kivi_decode_shared_bytes(*layout, w)]}")
     if query.stride(-1) != 1 or query.stride(0) % 4 or query.stride(1) % 4 or query.data_ptr() % 16:
         query = query.contiguous()
     out = torch.empty_like(query) if out is None else out
@@ -186,18 +236,11 @@ def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuf
         query.data_ptr(), out.data_ptr(), part.data_ptr(), lse.data_ptr(),
         kq.codes.data_ptr(), kq.scale.data_ptr(), kq.zero.data_ptr(), keys.resid.data_ptr(),
         vq.codes.data_ptr(), vq.scale.data_ptr(), vq.zero.data_ptr(), values.resid.data_ptr(), counts.data_ptr(),
-        batch, kv_heads, q_heads, num_splits, scaling * LOG2E, log2_cap(softcap),
+        batch, kv_heads, q_heads, num_splits, warps, scaling * LOG2E, log2_cap(softcap),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kq.codes.shape[2], kq.scale.shape[2], keys.resid.shape[2], vq.codes.shape[2], values.resid.shape[2],
         int(v_ring), int(out.dtype == torch.float32))
-    if emulate:
-        lib = library(emulate=True)
-        stream = None
-    else:
-        lib = _device_library(query.device.index)
-        if isinstance(lib, str):
-            raise RuntimeError(f"cuda decode_attention: {lib}")
-        stream = torch.cuda.current_stream(query.device).cuda_stream
+    stream = None if emulate else torch.cuda.current_stream(query.device).cuda_stream
     code = lib.kivi_decode(ctypes.byref(args), config.k_bits, dim, stream)
     if code:
         reason = "a shape it does not serve" if code == -1 else lib.kivi_decode_error(code).decode()

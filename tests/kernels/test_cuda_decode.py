@@ -25,13 +25,13 @@ from tools.kernel_data import REAL_KV, fill_streams, outlier_kv, reference_decod
 TOLERANCE = 1e-3  # relative error of the float32 output vs the float32 oracle, as for the Triton kernel
 
 
-def emulated(query, key_stream, value_stream, config, num_splits, out_dtype=torch.float32, softcap=None):
+def emulated(query, key_stream, value_stream, config, num_splits, out_dtype=torch.float32, softcap=None, warps=4):
     """The kernel over two KVStreams (as backend.decode_attention hands them over), output poisoned first."""
     after_sink = [q + r for q, r in zip(key_stream.n_quant, key_stream.n_resid)]
     counts = torch.tensor([key_stream.n_sink, key_stream.n_quant, value_stream.n_quant, after_sink], dtype=torch.int32)
     out = torch.full(query.shape, float("nan"), dtype=out_dtype)
     cuda_decode.decode_attention(query, key_stream.buffers, value_stream.buffers, counts, config, query.shape[-1] ** -0.5,
-                                 num_splits, out, softcap=softcap, emulate=True)
+                                 num_splits, out, softcap=softcap, emulate=True, warps=warps)
     assert not out.isnan().any(), f"{out.isnan().sum().item()} output elements left unwritten"
     return out
 
@@ -62,6 +62,44 @@ def test_the_cuda_kernel_matches_the_oracle(heads, config, num_splits):
     query, ks, vs = random_case(HEADS[heads], LENGTHS, CONFIGS[config], seed=len(heads) + len(config))
     out = emulated(query, ks, vs, CONFIGS[config], num_splits)
     assert relative_error(out, reference_decode(query, ks, vs, query.shape[-1] ** -0.5)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("heads, config", [("GQA 12/2x128 (Qwen2.5-1.5B)", "kivi-2"), ("MHA 2/2x128", "kivi-4"),
+                                           ("MQA 4/1x256", "kivi-2")])
+def test_blocks_of_eight_warps_match_the_oracle(heads, config):
+    """Every layout whose eight warps' stages fit a block: each warp takes every eighth unit (two or three of the
+    longest sequence's 21, its last ones partial), the block merges eight online softmaxes."""
+    query, ks, vs = random_case(HEADS[heads], [1300, 331, 5], CONFIGS[config], seed=5)
+    out = emulated(query, ks, vs, CONFIGS[config], num_splits=1, warps=8)
+    assert relative_error(out, reference_decode(query, ks, vs, query.shape[-1] ** -0.5)) <= TOLERANCE
+
+
+def test_a_block_size_the_layout_does_not_take_is_refused():
+    query, ks, vs = random_case(HEADS["MQA 4/1x256"], [40], CONFIGS["kivi-4"], seed=1)
+    counts = torch.tensor([[0], [0], [0], [40]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"warps=8; this layout takes \[4\]"):  # 4-bit head_dim 256: 320 KB at 8
+        cuda_decode.decode_attention(query, ks.buffers, vs.buffers, counts, CONFIGS["kivi-4"], 0.1, 1, emulate=True,
+                                     warps=8)
+
+
+def test_eight_warps_serve_few_blocks_of_long_enough_sequences_where_the_device_holds_them(monkeypatch):
+    """Qwen2.5-1.5B's shape at B = 64, S = 1,024 runs 128 blocks on the H200's 132 multiprocessors: eight warps
+    each; at B = 256 (512 blocks) or with too few units per warp, four. Shared memory as the device has it: the
+    H200's 228 KB per multiprocessor, compute capability 8.6's 100 KB (which 4-bit head_dim 256 does not fit)."""
+    emulation = cuda_decode.library(emulate=True)
+    monkeypatch.setattr(cuda_decode, "_library_for", lambda device: emulation)
+    h200 = SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=228 * 1024)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
+    cuda, kivi2, kivi4 = torch.device("cuda"), CONFIGS["kivi-2"], CONFIGS["kivi-4"]
+    qwen = (1, 12, 1, 128)
+    assert cuda_decode.default_warps(64, 2, 1, 1024, kivi2, qwen, cuda) == 8
+    assert cuda_decode.default_warps(256, 2, 1, 1024, kivi2, qwen, cuda) == 4
+    assert cuda_decode.default_warps(64, 2, 1, 960, kivi2, qwen, cuda) == 4  # 15 units: fewer than two per warp
+    assert cuda_decode.default_warps(64, 2, 1, 1024, kivi4, (1, 4, 1, 256), cuda) == 4  # 8 warps do not fit
+    assert cuda_decode.fits(kivi4, (1, 4, 1, 256), 1, cuda)
+    monkeypatch.setattr(h200, "shared_memory_per_multiprocessor", 100 * 1024)
+    assert not cuda_decode.fits(kivi4, (1, 4, 1, 256), 1, cuda)
+    assert cuda_decode.fits(kivi2, qwen, 2, cuda, warps=8)  # 96 KB
 
 
 def test_the_cuda_kernel_soft_caps_and_rounds_to_fp16():
@@ -173,10 +211,13 @@ def test_the_gpu_build_compiles_exports_its_entry_points_and_spills_nothing_at_h
     lib = ctypes.CDLL(str(library))
     lib.kivi_decode_error.restype = ctypes.c_char_p
     assert lib.kivi_decode and lib.kivi_decode_error(0) == b"no error"  # cudaGetErrorString(cudaSuccess), no GPU needed
-    # ptxas reports each instantiation (decode_kernelILi<bits>ELi<head_dim>ELi<column tiles>) with its spills
-    reports = re.findall(r"decode_kernelILi(\d)ELi(\d+)ELi(\d).*?(\d+) bytes spill stores", done.stderr, re.S)
-    assert len(reports) == 8
-    assert all(spills == "0" for bits, dim, tiles, spills in reports if dim == "128")
+    # ptxas reports each instantiation (decode_kernelILi<bits>ELi<head_dim>ELi<column tiles>ELi<warps>) with its
+    # spills: 4 warps for every layout, 8 where their stages fit (all but 4-bit head_dim 256)
+    reports = re.findall(r"decode_kernelILi(\d)ELi(\d+)ELi(\d)ELi(\d).*?(\d+) bytes spill stores", done.stderr, re.S)
+    assert sorted((bits, dim, warps) for bits, dim, tiles, warps, _ in reports) == sorted(
+        (bits, dim, warps) for bits in "24" for dim in ("128", "256") for warps in "48" for _ in range(2)
+        if (bits, dim, warps) != ("4", "256", "8"))
+    assert all(spills == "0" for bits, dim, tiles, warps, spills in reports if dim == "128")
 
 
 def test_the_kernels_roundings_are_the_ones_the_precision_budget_allows():

@@ -45,7 +45,7 @@ struct Fiber {
 struct Rendezvous {
   int size = kWarp, arrived = 0;
   unsigned generation = 0;
-  uint32_t words[2][128][16];  // per generation parity, per thread: up to 16 words (an mma's fragments)
+  uint32_t words[2][kWarp][16];  // per generation parity, per lane: up to 16 words (an mma's fragments)
 };
 
 struct Block {
@@ -72,7 +72,7 @@ inline void yield() {
 // Deposits n words at this thread's slot of rendezvous r, waits for the others; returns the generation's buffer.
 inline uint32_t (*meet(Rendezvous& r, int slot, const uint32_t* words, int n))[16] {
   unsigned gen = r.generation;
-  std::memcpy(r.words[gen & 1][slot], words, n * sizeof(uint32_t));
+  if (n) std::memcpy(r.words[gen & 1][slot], words, n * sizeof(uint32_t));  // a warp's lanes; barriers carry none
   if (++r.arrived == r.size) {
     r.arrived = 0;
     ++r.generation;

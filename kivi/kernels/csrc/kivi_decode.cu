@@ -3,9 +3,10 @@
 // softmax over quantized and full-precision tokens. The GPU fast path of kivi/kernels/cuda_decode.py; the Triton
 // kernel of kivi/kernels/decode_attention.py computes the same function and serves every case this one refuses.
 //
-// Work: a block of 4 warps per (sequence, KV head, split); each warp takes units of 2 key groups (64 tokens) in
-// turn, keeps its own online softmax, and the block merges its warps at the end (splits > 1: partial results and
-// log-sum-exps, merged by kivi.kernels._triton.merge_splits).
+// Work: a block of W warps (4, or 8 where shared memory holds their stages: short contexts of few sequences)
+// per (sequence, KV head, split); each warp takes units of 2 key groups (64 tokens) in turn, keeps its own online
+// softmax, and the block merges its warps at the end (splits > 1: partial results and log-sum-exps, merged by
+// kivi.kernels._triton.merge_splits).
 //
 // Products on the tensor cores (mma m16n8k16, fp16 operands, fp32 accumulators), all query heads of a KV head
 // (up to 8) in one product's N columns:
@@ -54,7 +55,7 @@ struct Args {
   const uint16_t* vz;
   const uint16_t* vr;  // [B, Hkv, vr_rows, D] value residual: position n_qv + i at row i, or (ring) at row p % vr_rows
   const int32_t* counts;  // int32 [4, B]: sinks (0), quantized keys, quantized values, tokens
-  int batch, kv_heads, q_heads, splits;
+  int batch, kv_heads, q_heads, splits, warps;  // warps per block: 4 or 8 (kivi_decode_shared_bytes)
   float qk_scale;  // softmax scale * log2(e)
   float cap;       // soft-capping threshold in log2 units; 0: none
   int64_t stride_qb, stride_qh, stride_ob, stride_oh;
@@ -65,7 +66,10 @@ struct Args {
 namespace {
 
 constexpr int kGroup = 32;       // tokens of a key group, channels of a value group
-constexpr int kWarps = 4;        // warps per block
+// Warps per block: 4 (every layout) or 8. 16 would cap a thread at 128 registers: the 2-bit head_dim 128 kernel of
+// two column tiles spilled there.
+constexpr int kMaxWarps = 8;
+constexpr int kSharedLimit = 227 * 1024;  // dynamic shared memory a block may take (compute capability 8.0, 9.0)
 constexpr int kUnitGroups = 2;   // key groups a warp takes at a time (one softmax update)
 constexpr uint32_t kSign = 0x80008000u;
 // The largest factor 2^bits the probabilities take (Softmax): 2^15 and p * s of fp16 scales below 1 stay in fp16.
@@ -85,7 +89,8 @@ KIVI_DEVICE T load(const void* p) {
   return *reinterpret_cast<const T*>(p);
 }
 
-template <int BITS, int D, int NT>  // code bits (keys and values), head size, key products' column tiles (heads / 4)
+// code bits (keys and values), head size, key products' column tiles (heads / 4), warps per block
+template <int BITS, int D, int NT, int W>
 struct Decode {
   static constexpr int kCpw = 32 / BITS;                // codes per word
   static constexpr int kHalf = kCpw / 2;                // codes per 16-bit half of a word
@@ -111,10 +116,10 @@ struct Decode {
   };
   // The block's merge of its warps, in the same shared memory once every warp is done.
   struct Merge {
-    float o[kWarps][8][D], zero[kWarps][8][kValueGroups], m[kWarps][8], l[kWarps][8];
+    float o[W][8][D], zero[W][8][kValueGroups], m[W][8], l[W][8];
   };
-  static constexpr int kSharedBytes = int(sizeof(Stage)) * 2 * kWarps > int(sizeof(Merge))
-                                          ? int(sizeof(Stage)) * 2 * kWarps : int(sizeof(Merge));
+  static constexpr int kSharedBytes =
+      int(sizeof(Stage)) * 2 * W > int(sizeof(Merge)) ? int(sizeof(Stage)) * 2 * W : int(sizeof(Merge));
 
   // Token (within the sequence) of row r of key product jj of a group.
   static KIVI_DEVICE int token(int group, int jj, int r) {
@@ -586,8 +591,8 @@ struct Decode {
     Stage* stages = static_cast<Stage*>(dynamic_shared()) + 2 * warp;
     if (first < last) stage(s, first, stages[0], lane);
     copy_commit();
-    for (int u = first, n = 0; u < last; u += kWarps, ++n) {
-      if (u + kWarps < last) stage(s, u + kWarps, stages[(n + 1) & 1], lane);
+    for (int u = first, n = 0; u < last; u += W, ++n) {
+      if (u + W < last) stage(s, u + W, stages[(n + 1) & 1], lane);
       copy_commit();
       copy_wait<1>();  // unit u's copies have landed (the next unit's may still be in flight)
       sync_warp();
@@ -630,15 +635,15 @@ struct Decode {
     // The block's place, derived again: kept from the start, two of its registers were spilled across the loop.
     const int kv_heads = opaque(a.kv_heads), b_out = bh / kv_heads, h_out = bh % kv_heads;
     const int hg_out = a.q_heads / kv_heads;
-    for (int i = threadIdx.x; i < hg_out * D; i += kWarps * 32) {
+    for (int i = threadIdx.x; i < hg_out * D; i += W * 32) {
       const int head = i / D, c = i % D;
       float top = -INFINITY;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) top = fmaxf(top, warp_m[w][head]);
+      for (int w = 0; w < W; ++w) top = fmaxf(top, warp_m[w][head]);
       float sum = 0.f, out = 0.f;
       if (top != -INFINITY) {
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
+        for (int w = 0; w < W; ++w) {
           const float f = fast_exp2(warp_m[w][head] - top);
           sum += f * warp_l[w][head];
           out += f * (warp_o[w][head][c] + warp_z[w][head][c / kGroup]);
@@ -662,32 +667,63 @@ struct Decode {
 
 // 4-bit codes declare at least one block per multiprocessor: left free, ptxas held the 4-bit kernel of two column
 // tiles at head_dim 128 to 168 registers and spilled; so bounded it takes 176. 0 (none declared) elsewhere.
-template <int BITS, int D, int NT>
-__global__ void __launch_bounds__(kWarps * 32, BITS == 4 ? 1 : 0) decode_kernel(const Args a) {
-  Decode<BITS, D, NT>::run(a);
+template <int BITS, int D, int NT, int W>
+__global__ void __launch_bounds__(W * 32, BITS == 4 ? 1 : 0) decode_kernel(const Args a) {
+  Decode<BITS, D, NT, W>::run(a);
 }
 
-template <int BITS, int D, int NT>
+template <int BITS, int D, int NT, int W>
 int launch(const Args& a, void* stream) {
 #ifdef KIVI_EMULATE
   (void)stream;
-  emu::launch({unsigned(a.batch * a.kv_heads), unsigned(a.splits), 1}, {kWarps * 32, 1, 1},
-              [&] { decode_kernel<BITS, D, NT>(a); });
+  emu::launch({unsigned(a.batch * a.kv_heads), unsigned(a.splits), 1}, {W * 32, 1, 1},
+              [&] { decode_kernel<BITS, D, NT, W>(a); });
   return 0;
 #else
-  constexpr int bytes = Decode<BITS, D, NT>::kSharedBytes;
+  constexpr int bytes = Decode<BITS, D, NT, W>::kSharedBytes;
   static const cudaError_t attribute =
-      cudaFuncSetAttribute(decode_kernel<BITS, D, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      cudaFuncSetAttribute(decode_kernel<BITS, D, NT, W>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (attribute != cudaSuccess) return int(attribute);
-  decode_kernel<BITS, D, NT><<<dim3(a.batch * a.kv_heads, a.splits), kWarps * 32, bytes, cudaStream_t(stream)>>>(a);
+  decode_kernel<BITS, D, NT, W><<<dim3(a.batch * a.kv_heads, a.splits), W * 32, bytes, cudaStream_t(stream)>>>(a);
   return int(cudaGetLastError());
 #endif
+}
+
+// The largest warps per block (4, 8) whose stages fit in a block's shared memory; instantiated up to it only.
+template <int BITS, int D, int NT, int W = 4>
+constexpr int max_warps() {
+  if constexpr (2 * W > kMaxWarps)
+    return W;
+  else if constexpr (Decode<BITS, D, NT, 2 * W>::kSharedBytes > kSharedLimit)
+    return W;
+  else
+    return max_warps<BITS, D, NT, 2 * W>();
+}
+
+template <int BITS, int D, int NT, int W = 4>
+int launch_warps(const Args& a, void* stream) {
+  if constexpr (W < max_warps<BITS, D, NT>())
+    if (a.warps > W) return launch_warps<BITS, D, NT, 2 * W>(a, stream);
+  return a.warps == W ? launch<BITS, D, NT, W>(a, stream) : -1;
 }
 
 template <int BITS, int D>
 int launch_heads(const Args& a, void* stream) {
   const int hg = a.q_heads / a.kv_heads;
-  return hg <= 4 ? launch<BITS, D, 1>(a, stream) : launch<BITS, D, 2>(a, stream);
+  return hg <= 4 ? launch_warps<BITS, D, 1>(a, stream) : launch_warps<BITS, D, 2>(a, stream);
+}
+
+template <int BITS, int D, int NT>
+int shared_bytes(int warps) {
+  if (warps == 4) return Decode<BITS, D, NT, 4>::kSharedBytes;
+  if constexpr (max_warps<BITS, D, NT>() >= 8)
+    if (warps == 8) return Decode<BITS, D, NT, 8>::kSharedBytes;
+  return 0;
+}
+
+template <int BITS, int D>
+int shared_bytes_heads(int hg, int warps) {
+  return hg <= 4 ? shared_bytes<BITS, D, 1>(warps) : shared_bytes<BITS, D, 2>(warps);
 }
 
 }  // namespace
@@ -702,6 +738,17 @@ int kivi_decode(const Args* a, int bits, int head_dim, void* stream) {
   if (bits == 4 && head_dim == 128) return launch_heads<4, 128>(*a, stream);
   if (bits == 4 && head_dim == 256) return launch_heads<4, 256>(*a, stream);
   return -1;
+}
+
+// The dynamic shared memory of kivi_decode's block of `warps` warps for this layout (hg: query heads per KV head);
+// 0: no such kernel.
+int kivi_decode_shared_bytes(int bits, int head_dim, int hg, int warps) {
+  if (hg < 1 || hg > 8) return 0;
+  if (bits == 2 && head_dim == 128) return shared_bytes_heads<2, 128>(hg, warps);
+  if (bits == 2 && head_dim == 256) return shared_bytes_heads<2, 256>(hg, warps);
+  if (bits == 4 && head_dim == 128) return shared_bytes_heads<4, 128>(hg, warps);
+  if (bits == 4 && head_dim == 256) return shared_bytes_heads<4, 256>(hg, warps);
+  return 0;
 }
 
 const char* kivi_decode_error(int code) {
