@@ -61,9 +61,13 @@ def decode(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, coun
     if kernel not in ("auto", "triton", "cuda"):
         raise ValueError(f"decode: kernel must be 'auto', 'triton' or 'cuda', got {kernel!r}")
     if kernel == "cuda" or (kernel == "auto" and serves_cuda(config, query, kv_heads, keys.resid.dtype)):
-        splits = num_splits or cuda_decode.default_num_splits(batch, kv_heads, max_tokens, query.device)
-        warps = warps or cuda_decode.default_warps(batch, kv_heads, splits, max_tokens, config, tuple(query.shape),
-                                                   query.device)
+        shape = tuple(query.shape)
+        if num_splits is None:
+            splits, chosen = cuda_decode.default_launch(batch, kv_heads, max_tokens, config, shape, query.device)
+        else:
+            splits = num_splits
+            chosen = cuda_decode.default_warps(batch, kv_heads, splits, max_tokens, config, shape, query.device)
+        warps = warps or chosen
         return cuda_decode.decode_attention(query, keys, values, counts, config, scaling, splits, out, v_ring=v_ring,
                                             softcap=softcap, warps=warps)
     if warps:

@@ -69,8 +69,8 @@ def layer_parts(slots: int, capacity: int, lengths: torch.Tensor) -> dict[str, f
         parts["kivi-2 counts (once per step)"] = us(step_counts)
         parts["kivi-2 flush"] = us(lambda: backend.flush(layer.key_resid, layer.value_ring, layer.keys, layer.values,
                                                          state.positions, config))
-        default = cuda_decode.default_num_splits(slots, kv_heads, capacity, query.device)
-        for splits in sorted({default, 1, 2, 3, 4, 6}):
+        default, _ = cuda_decode.default_launch(slots, kv_heads, capacity, config, tuple(query.shape), query.device)
+        for splits in sorted({default, 1, 2, 3, 4, 6}):  # each at the backend's block size for it
             parts[f"kivi-2 CUDA decode, {splits} splits{' *' if splits == default else ''}"] = us(
                 lambda: backend.decode(query, layer.key_buffers, layer.value_buffers, counts, config, scaling, capacity,
                                        v_ring=True, num_splits=splits, kernel="cuda"))

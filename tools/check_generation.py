@@ -3,20 +3,23 @@ oracle path.
 
     python -m tools.check_generation --model smollm2-135m --text essay.txt [--head-dim 128] [--json out.json]
 
-Each prompt runs under KIVI-2 (G = 32, R = 128) three ways: ``generate`` with KiviCache(use_kernels=True), whose
-decode steps go through kivi.backend (the CUDA kernel where it serves the layer, else Triton's) and
-kivi.kernels.quantize; ``generate`` with use_kernels=False, the kivi/ oracle; and the decode engine
-(pipeline.decode_engine: every prompt in one batch, one slot each, CUDA-graph steps on the slot cache and the same
-kernels), as ``kivi-eval generate`` runs a shard. EOS ends nothing: every path makes ``--tokens`` tokens from the
-unmodified logits. ``--head-dim`` widens the model's heads first (tools.widen_heads: the same function), so that a
-kernel of that head size serves it: SmolLM2-135M's heads of 64 at 128 run on the CUDA kernel. ``--device cpu`` runs
-the same three on the oracle (a check of the tool, not of the kernels).
+Each prompt runs under KIVI-2 (G = 32, R = 128) through ``generate`` with KiviCache(use_kernels=False), the kivi/
+oracle, the reference; ``generate`` with use_kernels=True, whose decode steps go through kivi.backend (the CUDA kernel
+where it serves the layer, else Triton's) and kivi.kernels.quantize; and the decode engine (pipeline.decode_engine:
+every prompt in one batch, one slot each, CUDA-graph steps on the slot cache and the same kernels, as ``kivi-eval
+generate`` runs a shard), with its steps compiled as it serves them (``engine``) and with the model's modules run
+eagerly in the graph (``engine eager``: the oracle's arithmetic but for attention and the cache). ``engine fp16``
+against ``generate`` with no KIVI cache shows what the engine's own arithmetic (compiled regions, its prefill)
+moves without KIVI. EOS ends nothing: every path makes ``--tokens`` tokens from the unmodified logits.
+``--head-dim`` widens the model's heads first (tools.widen_heads: the same function), so that a kernel of that head
+size serves it: SmolLM2-135M's heads of 64 at 128 run on the CUDA kernel. ``--device cpu`` runs the same on the
+oracle (a check of the tool, not of the kernels).
 
-Where a path's tokens first differ from the oracle's, the gap between the oracle's two best logits at that step
-shows whether it was a tie, and for ``generate`` the quantized keys and values of the two caches (positions before
-that token) whether rounding-level differences in earlier steps already flipped codes: a block flushed during generation holds generated
-tokens, whose keys differ slightly between the paths, and a key at a rounding boundary (or a group's new
-minimum or maximum) then takes another code, a change of a whole quantization step.
+Where a path's tokens first part from its reference's, the gap between the reference's two best logits at that
+step shows whether it was a tie, and for ``generate`` the quantized keys and values of the two caches (positions
+before that token) whether rounding-level differences in earlier steps already flipped codes: a block flushed during
+generation holds generated tokens, whose keys differ slightly between the paths, and a key at a rounding boundary
+(or a group's new minimum or maximum) then takes another code, a change of a whole quantization step.
 """
 
 from __future__ import annotations
@@ -68,6 +71,15 @@ def _decode_kernel(model) -> str:
     return "the CUDA kernel" if serves_cuda(KiviConfig(), query, config.num_key_value_heads, model.dtype) else "the Triton kernel"
 
 
+def _first_difference(tokens: list[int], reference: list[int], scores) -> dict:
+    """Where ``tokens`` first part from ``reference``, and the reference's top-2 logit gap there."""
+    if tokens == reference:
+        return dict(equal=True, first_difference=None, top2_gap=None)
+    step = next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)
+    top2 = scores[step][0].float().topk(2).values
+    return dict(equal=False, first_difference=step, top2_gap=float(top2[0] - top2[1]))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a packaged model's name, a .gguf file or a model folder")
@@ -85,41 +97,47 @@ def main(argv=None) -> int:
     enable_kivi(model)
     text_ids = tokenizer(Path(args.text).read_text(), return_tensors="pt").input_ids.to(model.device)
     prompts = [text_ids[:, :length] for length in PROMPT_LENGTHS]
+    sequences = [Sequence(ids[0].tolist(), args.tokens) for ids in prompts]
     rows = []
     with torch.inference_mode():
         for ids in prompts:
             fused, _, fused_cache = _generate(model, ids, True, args.tokens)
-            oracle, scores, oracle_cache = _generate(model, ids, False, args.tokens)
-            rows.append(dict(prompt=ids.shape[1], oracle=oracle.tolist(), scores=scores, caches=(fused_cache, oracle_cache),
-                             paths={"generate": fused.tolist()}))
-        engine = DecodeEngine(model).generate([Sequence(ids[0].tolist(), args.tokens) for ids in prompts], KiviConfig(),
-                                              slots=len(prompts))
-    for row, completion in zip(rows, engine.completions):
-        row["paths"]["engine"] = completion.tokens
+            oracle, oracle_scores, oracle_cache = _generate(model, ids, False, args.tokens)
+            fp16 = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.tokens,
+                                  output_scores=True, return_dict_in_generate=True)
+            row = dict(prompt=ids.shape[1], caches=(fused_cache, oracle_cache),
+                       references={"oracle": (oracle.tolist(), oracle_scores),
+                                   "fp16": (fp16.sequences[0, ids.shape[1]:].tolist(), fp16.scores)},
+                       paths={"generate": ("oracle", fused.tolist())})
+            rows.append(row)
+        engines = {"engine": (DecodeEngine(model), KiviConfig(), "oracle"),
+                   "engine eager": (DecodeEngine(model, compile_steps=False), KiviConfig(), "oracle"),
+                   "engine fp16": (DecodeEngine(model), None, "fp16")}
+        for name, (engine, kivi, reference) in engines.items():
+            run = engine.generate(sequences, kivi, slots=len(sequences))
+            for row, completion in zip(rows, run.completions):
+                row["paths"][name] = (reference, completion.tokens)
     kernel = _decode_kernel(model)
     print(f"KIVI-2 decode attention: {kernel}")
-    print(f"{'prompt':>7} {'path':>9} {'equal':>6} {'first diff':>10} {'oracle top-2 gap':>17} "
+    print(f"{'prompt':>7} {'path':>13} {'against':>8} {'equal':>6} {'first diff':>10} {'top-2 gap there':>16} "
           f"{'quantized K/V differing before it':>34}")
     results = []
     for row in rows:
-        for path, tokens in row["paths"].items():
-            result = dict(prompt=row["prompt"], path=path, equal=tokens == row["oracle"], first_difference=None,
-                          top2_gap=None)
-            if not result["equal"]:
-                step = next(i for i, (a, b) in enumerate(zip(tokens, row["oracle"])) if a != b)
-                top2 = row["scores"][step][0].float().topk(2).values
-                result.update(first_difference=step, top2_gap=float(top2[0] - top2[1]))
-                if path == "generate":  # the engine's slot cache is not a KiviCache: only generate's can be compared
-                    result["quantized_differing"] = _quantized_differences(*row["caches"], row["prompt"] + step)
+        for path, (reference, tokens) in row["paths"].items():
+            result = dict(prompt=row["prompt"], path=path, reference=reference,
+                          **_first_difference(tokens, *row["references"][reference]))
+            if path == "generate" and not result["equal"]:  # only generate's cache is a KiviCache beside the oracle's
+                result["quantized_differing"] = _quantized_differences(*row["caches"], row["prompt"] + result["first_difference"])
             results.append(result)
             diff = "-" if result["equal"] else result["first_difference"]
             gap = "-" if result["equal"] else f"{result['top2_gap']:.4f}"
             cache = result.get("quantized_differing")
-            print(f"{row['prompt']:>7} {path:>9} {'yes' if result['equal'] else 'no':>6} {diff:>10} {gap:>17} "
-                  f"{f'{cache[0]} of {cache[1]}' if cache else '-':>34}")
-    for path in ("generate", "engine"):
+            print(f"{row['prompt']:>7} {path:>13} {reference:>8} {'yes' if result['equal'] else 'no':>6} {diff:>10} "
+                  f"{gap:>16} {f'{cache[0]} of {cache[1]}' if cache else '-':>34}")
+    for path in rows[0]["paths"]:
         same = sum(r["equal"] for r in results if r["path"] == path)
-        print(f"{path}: {same}/{len(prompts)} prompts give the oracle's {args.tokens}-token greedy continuation")
+        print(f"{path}: {same}/{len(prompts)} prompts give the {rows[0]['paths'][path][0]} path's {args.tokens}-token "
+              "greedy continuation")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(model=args.model, head_dim=args.head_dim, tokens=args.tokens, kernel=kernel,
                                                    git_sha=git_sha(),

@@ -133,12 +133,13 @@ def time_kivi(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bit
 
 def time_cuda(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bits: int,
               splits: int | None = None, warps: int | None = None) -> tuple[float, int, int]:
-    """(median ms, bytes, splits) of the CUDA kernel; ``splits`` None: its default; ``warps`` (per block) None: as
-    kivi.backend launches it for that split count."""
+    """(median ms, bytes, splits) of the CUDA kernel; ``warps`` (per block) None: as kivi.backend launches it for
+    ``splits`` splits (None: its choice of both)."""
     batch, kv_heads, tokens, dim = keys.shape
     config = kivi_config(bits)
-    splits = splits or cuda_decode.default_num_splits(batch, kv_heads, tokens, query.device)
     if warps is None:
+        if splits is None:
+            splits, _ = cuda_decode.default_launch(batch, kv_heads, tokens, config, tuple(query.shape), query.device)
         call = lambda q, k, v, counts: backend.decode(q, k, v, counts, config, dim**-0.5, tokens,  # noqa: E731
                                                       num_splits=splits, kernel="cuda")
     else:
@@ -215,9 +216,8 @@ def sweep(gen: torch.Generator) -> list[dict]:
     for case in (DecodeCase(*c) for c in SWEEP):
         query, keys, values = decode_inputs(case, gen)
         sdpa_ms, _ = time_sdpa(query, keys, values)
-        launch = dict(batch=case.batch, kv_heads=case.heads[1], max_tokens=case.tokens, device=query.device)
-        default = cuda_decode.default_num_splits(**launch)
-        default_warps = cuda_decode.default_warps(splits=default, config=config, query_shape=tuple(query.shape), **launch)
+        default, default_warps = cuda_decode.default_launch(case.batch, case.heads[1], case.tokens, config,
+                                                            tuple(query.shape), query.device)
         units = -(-case.tokens // cuda_decode.UNIT_TOKENS)
         warps = [w for w in cuda_decode.WARPS if cuda_decode.fits(config, tuple(query.shape), case.heads[1], query.device, w)]
         timed = []

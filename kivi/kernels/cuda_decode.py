@@ -189,14 +189,31 @@ def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch
 
 def default_warps(batch: int, kv_heads: int, splits: int, max_tokens: int, config: KiviConfig,
                   query_shape: tuple[int, ...], device: torch.device) -> int:
-    """Warps per block: 8 where the blocks are fewer than the multiprocessors (a block per multiprocessor, one warp per
-    scheduler at 4 warps: a latency chain with nothing to hide it, Nsight Compute at Qwen2.5-1.5B's shape, B = 64,
-    S = 1,024), each warp still takes two units (its copies overlap its computing) and the block fits; else 4."""
+    """Warps per block for ``splits`` splits: 8 where the blocks are no more than the multiprocessors (one block each:
+    at 4 warps, one warp per scheduler, a latency chain with nothing to hide it, Nsight Compute at Qwen2.5-1.5B's
+    shape, B = 64, S = 1,024), each split holds a unit per warp and the block fits; else 4 (a second block of 8
+    warps does not fit beside the first: more blocks than multiprocessors ran slower at 8 than at 4 in every case
+    of the H200 sweep, ``tools.kernel_bench --sweep``)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    units_per_split = -(-max_tokens // UNIT_TOKENS) // splits
-    if batch * kv_heads * splits < sms and units_per_split >= 2 * 8 and fits(config, query_shape, kv_heads, device, 8):
+    units_per_split = -(-max_tokens // UNIT_TOKENS) / splits
+    if batch * kv_heads * splits <= sms and units_per_split >= 8 and fits(config, query_shape, kv_heads, device, 8):
         return 8
     return 4
+
+
+def default_launch(batch: int, kv_heads: int, max_tokens: int, config: KiviConfig, query_shape: tuple[int, ...],
+                   device: torch.device) -> tuple[int, int]:
+    """(splits, warps per block): blocks of 8 warps where splitting for one block per multiprocessor and 4 units per
+    warp needs no more blocks than multiprocessors, else ``default_num_splits`` with 4. Measured on the H200 at
+    5d38c0c (ms, 4 / 8 warps): Qwen2.5-1.5B's shape at S = 1,024, B = 64 at 1 split 0.0192 / 0.0181, B = 32 at
+    2 splits 0.0170 / 0.0161 (the best of 1-4 splits), at S = 2,048, B = 64 at 1 split 0.0275 / 0.0249 (2 splits
+    of 4 warps: 0.0264); B = 256 at 1 split 0.0495 / 0.0668."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    pairs, units = batch * kv_heads, -(-max_tokens // UNIT_TOKENS)
+    splits = max(1, sms // pairs, units // 32)
+    if default_warps(batch, kv_heads, splits, max_tokens, config, query_shape, device) == 8:
+        return splits, 8
+    return default_num_splits(batch, kv_heads, max_tokens, device), 4
 
 
 def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, counts: torch.Tensor,

@@ -82,24 +82,45 @@ def test_a_block_size_the_layout_does_not_take_is_refused():
                                      warps=8)
 
 
-def test_eight_warps_serve_few_blocks_of_long_enough_sequences_where_the_device_holds_them(monkeypatch):
-    """Qwen2.5-1.5B's shape at B = 64, S = 1,024 runs 128 blocks on the H200's 132 multiprocessors: eight warps
-    each; at B = 256 (512 blocks) or with too few units per warp, four. Shared memory as the device has it: the
-    H200's 228 KB per multiprocessor, compute capability 8.6's 100 KB (which 4-bit head_dim 256 does not fit)."""
+def h200(monkeypatch, shared_per_sm: int = 228 * 1024) -> SimpleNamespace:
+    """The H200's 132 multiprocessors and shared memory, the block sizes from the emulation build (the same source)."""
     emulation = cuda_decode.library(emulate=True)
     monkeypatch.setattr(cuda_decode, "_library_for", lambda device: emulation)
-    h200 = SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=228 * 1024)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
-    cuda, kivi2, kivi4 = torch.device("cuda"), CONFIGS["kivi-2"], CONFIGS["kivi-4"]
-    qwen = (1, 12, 1, 128)
+    props = SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=shared_per_sm)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    return props
+
+
+def test_eight_warps_serve_blocks_no_more_than_the_multiprocessors_where_the_device_holds_them(monkeypatch):
+    """Eight warps per block where the blocks fit one per multiprocessor with a unit per warp, and the block fits
+    the device's shared memory: the H200's 228 KB, compute capability 8.6's 100 KB (4-bit head_dim 256: no)."""
+    props = h200(monkeypatch)
+    cuda, kivi2, kivi4, qwen = torch.device("cuda"), CONFIGS["kivi-2"], CONFIGS["kivi-4"], (1, 12, 1, 128)
     assert cuda_decode.default_warps(64, 2, 1, 1024, kivi2, qwen, cuda) == 8
+    assert cuda_decode.default_warps(64, 2, 2, 1024, kivi2, qwen, cuda) == 4  # 256 blocks
     assert cuda_decode.default_warps(256, 2, 1, 1024, kivi2, qwen, cuda) == 4
-    assert cuda_decode.default_warps(64, 2, 1, 960, kivi2, qwen, cuda) == 4  # 15 units: fewer than two per warp
-    assert cuda_decode.default_warps(64, 2, 1, 1024, kivi4, (1, 4, 1, 256), cuda) == 4  # 8 warps do not fit
+    assert cuda_decode.default_warps(64, 2, 3, 1024, kivi2, qwen, cuda) == 4
+    assert cuda_decode.default_warps(2, 2, 33, 1024, kivi2, qwen, cuda) == 4  # under one unit per warp
+    assert cuda_decode.default_warps(64, 1, 1, 1024, kivi4, (1, 4, 1, 256), cuda) == 4  # 8 warps do not fit
     assert cuda_decode.fits(kivi4, (1, 4, 1, 256), 1, cuda)
-    monkeypatch.setattr(h200, "shared_memory_per_multiprocessor", 100 * 1024)
+    props.shared_memory_per_multiprocessor = 100 * 1024
     assert not cuda_decode.fits(kivi4, (1, 4, 1, 256), 1, cuda)
     assert cuda_decode.fits(kivi2, qwen, 2, cuda, warps=8)  # 96 KB
+
+
+WARPS_SWEEP = Path(__file__).resolve().parents[2] / "benchmarks" / "2026-12-03-cuda-decode-warps-sweep.json"
+
+
+def test_the_default_launch_is_the_best_the_h200_sweep_of_splits_and_block_sizes_measured(monkeypatch):
+    """default_launch against the committed sweep (tools.kernel_bench --sweep at 5d38c0c, Qwen2.5-1.5B's shape,
+    1-4 splits x 4 and 8 warps): its choice ran fastest at each size."""
+    h200(monkeypatch)
+    rows = json.loads(WARPS_SWEEP.read_text())["sweep"]
+    for size in {(r["batch"], r["tokens"]) for r in rows}:
+        timed = {(r["splits"], r["warps"]): r["cuda2_ms"] for r in rows if (r["batch"], r["tokens"]) == size}
+        batch, tokens = size
+        chosen = cuda_decode.default_launch(batch, 2, tokens, CONFIGS["kivi-2"], (batch, 12, 1, 128), torch.device("cuda"))
+        assert timed[chosen] == min(timed.values()), (size, chosen, timed)
 
 
 def test_the_cuda_kernel_soft_caps_and_rounds_to_fp16():
