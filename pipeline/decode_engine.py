@@ -92,15 +92,19 @@ PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPB
 class DecodeEngine:
     def __init__(self, model: PreTrainedModel, prefill_tokens: int = 8192, cuda_graph: bool = True,
                  compile_steps: bool | None = None, sync_every: int = 16, decode: Callable[[list[int]], str] | None = None,
-                 refill: float = 1 / 4):
+                 refill: float = 1 / 4, use_kernels: bool | None = None):
         """``decode`` (token ids -> text) is needed for stop strings; ``sync_every`` bounds the steps between two
         looks at the tokens (EOS and stop strings are found that late, length limits exactly); ``refill``: the
         fraction of the slots that must be free before waiting sequences are admitted while others decode (1/4:
-        the measured best of 1/8 and 1/4 on a nightly-like load, BENCHMARKS.md "Prefill inside the schedule")."""
+        the measured best of 1/8 and 1/4 on a nightly-like load, BENCHMARKS.md "Prefill inside the schedule");
+        ``use_kernels`` (default: on CUDA) False: the slot cache on the kivi/ oracle (no CUDA graph, and steps not
+        compiled: it reads counts on the host), the reference the engine's kernels are checked against."""
+        if use_kernels is False and (compile_steps or (compile_steps is None and model.device.type == "cuda")):
+            raise ValueError("DecodeEngine: use_kernels=False reads the cache's counts on the host; set compile_steps=False")
         # Prefill through the "kivi" attention: exact, and soft-capped where the model asks (SDPA has no soft-capping).
         self.model, self.decode_step = enable_kivi(model), DecodeStep(model, compile_steps)
         self.prefill_tokens, self.cuda_graph, self.sync_every, self.decode = prefill_tokens, cuda_graph, sync_every, decode
-        self.refill = refill
+        self.refill, self.use_kernels = refill, use_kernels
         self.device, self.dtype = model.device, model.dtype
 
     def run(self, prompts: list[list[int]], new_tokens: int, kivi: KiviConfig | None) -> DecodeRun:
@@ -126,7 +130,8 @@ class DecodeEngine:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         capacity = max(len(s.prompt) + s.max_new_tokens - 1 for s in sequences)  # the last token is never stored
-        cache = SlotCache(self.model.config, min(slots, len(sequences)), capacity, self.dtype, self.device, kivi)
+        cache = SlotCache(self.model.config, min(slots, len(sequences)), capacity, self.dtype, self.device, kivi,
+                          self.use_kernels)
         batch = _Batch(self, cache, sequences, sync_every or self.sync_every)
         completions = batch.run()
         return DecodeRun(completions, batch.prefill_s, batch.decode_s, batch.capture_s, batch.steps, cache.state.batch,

@@ -8,9 +8,11 @@ oracle, the reference; ``generate`` with use_kernels=True, whose decode steps go
 where it serves the layer, else Triton's) and kivi.kernels.quantize; and the decode engine (pipeline.decode_engine:
 every prompt in one batch, one slot each, CUDA-graph steps on the slot cache and the same kernels, as ``kivi-eval
 generate`` runs a shard), with its steps compiled as it serves them (``engine``) and with the model's modules run
-eagerly in the graph (``engine eager``: the oracle's arithmetic but for attention and the cache). ``engine fp16``
-against ``generate`` with no KIVI cache shows what the engine's own arithmetic (compiled regions, its prefill)
-moves without KIVI. EOS ends nothing: every path makes ``--tokens`` tokens from the unmodified logits.
+eagerly in the graph (``engine eager``), each against the engine on the oracle (``engine oracle``: the same prefill
+and slot cache, the kivi/ oracle's attention and flush, no graph), which is checked against ``generate``'s oracle
+in turn. ``engine fp16`` against ``generate`` with no KIVI cache shows what the engine's own arithmetic (compiled
+regions, its prefill) moves without KIVI. The engine reports no logits: the top-2 gap where an engine path parts
+from the engine oracle is ``generate``'s oracle's, where its tokens are the engine oracle's up to there. EOS ends nothing: every path makes ``--tokens`` tokens from the unmodified logits.
 ``--head-dim`` widens the model's heads first (tools.widen_heads: the same function), so that a kernel of that head
 size serves it: SmolLM2-135M's heads of 64 at 128 run on the CUDA kernel. ``--device cpu`` runs the same on the
 oracle (a check of the tool, not of the kernels).
@@ -76,6 +78,8 @@ def _first_difference(tokens: list[int], reference: list[int], scores) -> dict:
     if tokens == reference:
         return dict(equal=True, first_difference=None, top2_gap=None)
     step = next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)
+    if step >= len(scores):  # no logits of that context (see the engine oracle)
+        return dict(equal=False, first_difference=step, top2_gap=None)
     top2 = scores[step][0].float().topk(2).values
     return dict(equal=False, first_difference=step, top2_gap=float(top2[0] - top2[1]))
 
@@ -110,16 +114,22 @@ def main(argv=None) -> int:
                                    "fp16": (fp16.sequences[0, ids.shape[1]:].tolist(), fp16.scores)},
                        paths={"generate": ("oracle", fused.tolist())})
             rows.append(row)
-        engines = {"engine": (DecodeEngine(model), KiviConfig(), "oracle"),
-                   "engine eager": (DecodeEngine(model, compile_steps=False), KiviConfig(), "oracle"),
+        engines = {"engine oracle": (DecodeEngine(model, cuda_graph=False, compile_steps=False, use_kernels=False),
+                                     KiviConfig(), "oracle"),
+                   "engine": (DecodeEngine(model), KiviConfig(), "engine oracle"),
+                   "engine eager": (DecodeEngine(model, compile_steps=False), KiviConfig(), "engine oracle"),
                    "engine fp16": (DecodeEngine(model), None, "fp16")}
         for name, (engine, kivi, reference) in engines.items():
             run = engine.generate(sequences, kivi, slots=len(sequences))
             for row, completion in zip(rows, run.completions):
                 row["paths"][name] = (reference, completion.tokens)
+        for row in rows:  # the engine oracle's gaps: generate's oracle's, as far as their tokens agree
+            tokens, oracle_scores = row["paths"]["engine oracle"][1], row["references"]["oracle"][1]
+            agree = _first_difference(tokens, row["references"]["oracle"][0], oracle_scores)["first_difference"]
+            row["references"]["engine oracle"] = (tokens, oracle_scores if agree is None else oracle_scores[: agree + 1])
     kernel = _decode_kernel(model)
     print(f"KIVI-2 decode attention: {kernel}")
-    print(f"{'prompt':>7} {'path':>13} {'against':>8} {'equal':>6} {'first diff':>10} {'top-2 gap there':>16} "
+    print(f"{'prompt':>7} {'path':>13} {'against':>13} {'equal':>6} {'first diff':>10} {'top-2 gap there':>16} "
           f"{'quantized K/V differing before it':>34}")
     results = []
     for row in rows:
@@ -130,9 +140,9 @@ def main(argv=None) -> int:
                 result["quantized_differing"] = _quantized_differences(*row["caches"], row["prompt"] + result["first_difference"])
             results.append(result)
             diff = "-" if result["equal"] else result["first_difference"]
-            gap = "-" if result["equal"] else f"{result['top2_gap']:.4f}"
+            gap = "-" if result["top2_gap"] is None else f"{result['top2_gap']:.4f}"
             cache = result.get("quantized_differing")
-            print(f"{row['prompt']:>7} {path:>13} {reference:>8} {'yes' if result['equal'] else 'no':>6} {diff:>10} "
+            print(f"{row['prompt']:>7} {path:>13} {reference:>13} {'yes' if result['equal'] else 'no':>6} {diff:>10} "
                   f"{gap:>16} {f'{cache[0]} of {cache[1]}' if cache else '-':>34}")
     for path in rows[0]["paths"]:
         same = sum(r["equal"] for r in results if r["path"] == path)

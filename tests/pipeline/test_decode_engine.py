@@ -68,6 +68,13 @@ def test_engine_refuses_models_it_cannot_drive():
         DecodeEngine(model)
 
 
+def test_the_engine_on_the_oracle_refuses_compiled_steps():
+    """use_kernels=False reads the cache's counts on the host: a compiled step cannot (the CUDA default compiles)."""
+    model = tiny(LlamaForCausalLM, LlamaConfig, 4, 2, 64)
+    with pytest.raises(ValueError, match="set compile_steps=False"):
+        DecodeEngine(model, compile_steps=True, use_kernels=False)
+
+
 def test_compiled_steps_give_the_eager_tokens():
     """On CUDA the engine compiles the parts between attentions; here on the CPU, against the same steps eager."""
     model = tiny(LlamaForCausalLM, LlamaConfig, 4, 2, 64)
