@@ -12,10 +12,11 @@ eagerly in the graph (``engine eager``), each against the engine on the oracle (
 and slot cache, the kivi/ oracle's attention and flush, no graph), which is checked against ``generate``'s oracle
 in turn. ``engine fp16`` against ``generate`` with no KIVI cache shows what the engine's own arithmetic (compiled
 regions, its prefill) moves without KIVI. The engine reports no logits: the top-2 gap where an engine path parts
-from the engine oracle is ``generate``'s oracle's, where its tokens are the engine oracle's up to there. EOS ends nothing: every path makes ``--tokens`` tokens from the unmodified logits.
-``--head-dim`` widens the model's heads first (tools.widen_heads: the same function), so that a kernel of that head
-size serves it: SmolLM2-135M's heads of 64 at 128 run on the CUDA kernel. ``--device cpu`` runs the same on the
-oracle (a check of the tool, not of the kernels).
+from the engine oracle is ``generate``'s oracle's, where its tokens are the engine oracle's up to there. EOS ends
+nothing: every path makes ``--tokens`` tokens from the unmodified logits. ``--head-dim`` widens the model's heads
+first (tools.widen_heads: the same function), so that a kernel of that head size serves it: SmolLM2-135M's heads of
+64 at 128 run on the CUDA kernel. ``--device cpu`` runs the same on the oracle (a check of the tool, not of the
+kernels).
 
 Where a path's tokens first part from its reference's, the gap between the reference's two best logits at that
 step shows whether it was a tie, and for ``generate`` the quantized keys and values of the two caches (positions
@@ -70,7 +71,8 @@ def _decode_kernel(model) -> str:
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     query = torch.empty(1, config.num_attention_heads, 1, head_dim, dtype=model.dtype, device=model.device)
-    return "the CUDA kernel" if serves_cuda(KiviConfig(), query, config.num_key_value_heads, model.dtype) else "the Triton kernel"
+    cuda = serves_cuda(KiviConfig(), query, config.num_key_value_heads, model.dtype)
+    return "the CUDA kernel" if cuda else "the Triton kernel"
 
 
 def _first_difference(tokens: list[int], reference: list[int], scores) -> dict:

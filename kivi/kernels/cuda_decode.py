@@ -3,9 +3,10 @@
 Same inputs and outputs as ``kivi.kernels.decode_attention.decode_attention`` (buffers in kivi.quant's layout,
 device counts, split partials merged by the same merge kernel), for the layouts it serves (``unsupported``):
 fp16, 2- or 4-bit keys and values alike, groups of 32, head sizes 128 and 256, up to 8 query heads per KV head,
-no sinks, compute capability 8.0 or newer with the shared memory the layout's block takes (``fits``). Built with nvcc for the device's architecture at first use, cached
-under ``$KIVI_KERNEL_CACHE`` (default ``~/.cache/kivi-eval/kernels``), loaded with ctypes and launched on the
-current stream, so CUDA graphs capture it like any kernel.
+no sinks, compute capability 8.0 or newer with the shared memory the layout's block takes (``fits``). Built with
+nvcc for the device's architecture at first use, cached under ``$KIVI_KERNEL_CACHE`` (default
+``~/.cache/kivi-eval/kernels``), loaded with ctypes and launched on the current stream, so CUDA graphs capture it
+like any kernel.
 
 ``emulate=True`` builds the same source as C++ for the CPU (``csrc/emulate.h``: every thread a fiber, warp
 collectives as rendezvous), which is how the CPU tests run this kernel; ``tools.kernel_check`` compares the
@@ -184,7 +185,7 @@ def default_num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch
     32 / 8, B = 8, S = 32K: 0.2302 ms at 1, 0.0935 at 4, 0.0884-0.0912 from 6 to 24)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     pairs, units = batch * kv_heads, -(-max_tokens // UNIT_TOKENS)
-    return max(1, sms // pairs, min(-(-8 * sms // pairs), units // 16))
+    return max(1, sms // pairs, min(-(-8 * sms // pairs), units // 16))  # 16: 4 units for each of 4 warps
 
 
 def default_warps(batch: int, kv_heads: int, splits: int, max_tokens: int, config: KiviConfig,
@@ -210,7 +211,7 @@ def default_launch(batch: int, kv_heads: int, max_tokens: int, config: KiviConfi
     of 4 warps: 0.0264); B = 256 at 1 split 0.0495 / 0.0668."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     pairs, units = batch * kv_heads, -(-max_tokens // UNIT_TOKENS)
-    splits = max(1, sms // pairs, units // 32)
+    splits = max(1, sms // pairs, units // 32)  # 32: 4 units for each of 8 warps
     if default_warps(batch, kv_heads, splits, max_tokens, config, query_shape, device) == 8:
         return splits, 8
     return default_num_splits(batch, kv_heads, max_tokens, device), 4

@@ -69,7 +69,9 @@ constexpr int kGroup = 32;       // tokens of a key group, channels of a value g
 // Warps per block: 4 (every layout) or 8. 16 would cap a thread at 128 registers: the 2-bit head_dim 128 kernel of
 // two column tiles spilled there.
 constexpr int kMaxWarps = 8;
-constexpr int kSharedLimit = 227 * 1024;  // dynamic shared memory a block may take (compute capability 8.0, 9.0)
+// The most dynamic shared memory any device gives a block (compute capability 9.0): no kernel beyond it is built;
+// kivi/kernels/cuda_decode.py checks the device's own limit.
+constexpr int kSharedLimit = 227 * 1024;
 constexpr int kUnitGroups = 2;   // key groups a warp takes at a time (one softmax update)
 constexpr uint32_t kSign = 0x80008000u;
 // The largest factor 2^bits the probabilities take (Softmax): 2^15 and p * s of fp16 scales below 1 stay in fp16.
