@@ -46,14 +46,22 @@ from pipeline.model_specs import (
 logger = logging.getLogger(__name__)
 
 
-def default_dtype(device: str | torch.device) -> torch.dtype:
-    # fp16 on GPUs as KIVI's kernels; fp32 on CPUs, where fp16 matmuls are slow and bf16 adds noise.
-    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+# Text model types whose forward overflows fp16 (activations past 65,504): Gemma 3 270M's fp16 forward returns NaN
+# logits on an essay's first 600 tokens where fp32's are finite (tests/pipeline/test_gemma3.py).
+FP16_OVERFLOWS = frozenset({"gemma3_text"})
 
 
-def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
-    """A config's model dtype ("auto" or a torch dtype name) for ``device``."""
-    return default_dtype(device) if name == "auto" else getattr(torch, name)
+def default_dtype(device: str | torch.device, model_type: str | None = None) -> torch.dtype:
+    """fp16 on GPUs, as KIVI's CUDA kernel takes (bf16 for a model fp16 overflows: the Triton kernel serves it); fp32
+    on CPUs, where fp16 matmuls are slow and bf16 adds noise. ``model_type``: the text config's."""
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if model_type in FP16_OVERFLOWS else torch.float16
+
+
+def resolve_dtype(name: str, device: str | torch.device, model_type: str | None = None) -> torch.dtype:
+    """A config's model dtype ("auto" or a torch dtype name) for ``device`` and a model of ``model_type``."""
+    return default_dtype(device, model_type) if name == "auto" else getattr(torch, name)
 
 
 def load_model(

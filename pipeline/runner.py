@@ -25,7 +25,7 @@ from kivi import KiviConfigError
 from kivi.cache import check_fits_model
 from kivi.layout import attention_layers, unsupported_layout
 from pipeline.errors import ConfigError, InputError
-from pipeline.models import load_model_config, load_tokenizer, meta_model
+from pipeline.models import FP16_OVERFLOWS, load_model_config, load_tokenizer, meta_model
 from pipeline.worker import CRASH_ONCE_ENV, EvalWorker, RunContext, Shard
 from pipeline.workloads import Request, Workload, check_budget
 
@@ -340,6 +340,9 @@ def check_model(config) -> dict[str, str]:
     prints a line for a KIVI cache that would quantize nothing on this model."""
     model_config = load_model_config(config.model.spec)
     text = model_config.get_text_config(decoder=True)
+    if config.model.dtype == "float16" and text.model_type in FP16_OVERFLOWS:
+        raise ConfigError(f"model.dtype: float16 overflows {config.model.spec}'s activations ({text.model_type}: its "
+                          "logits come out NaN); set bfloat16, or auto (bfloat16 for it on GPUs)")
     positions, context = getattr(text, "max_position_embeddings", None), config.model.max_context
     if positions and context and context > positions:
         raise ConfigError(f"model.max_context: {context} tokens is past the {positions} positions of "

@@ -3,6 +3,7 @@ is rebuilt from the file's vocabulary (transformers splits it into letters); the
 and the shipped config runs fp16 against KIVI-2 through the pipeline, both on the decode engine (sliding-window
 layers as 16-bit rings, one KV head, head_dim 256), and writes its report."""
 
+import copy
 import importlib.util
 from pathlib import Path
 
@@ -14,8 +15,9 @@ from pipeline.cli import report
 from pipeline.config import load_config
 from pipeline.gguf_tokenizer import PROBE
 from pipeline.model_specs import PACKAGED_MODELS
-from pipeline.models import load_model
-from pipeline.runner import run
+from pipeline.errors import ConfigError
+from pipeline.models import load_model, resolve_dtype
+from pipeline.runner import check_model, run
 from pipeline.store import Store
 
 pytestmark = pytest.mark.slow
@@ -57,6 +59,23 @@ def test_gemma3_reads_an_essay_well_past_its_sliding_window_and_completes_a_fact
     prompt = tokenizer("The Eiffel Tower is located in the city of", return_tensors="pt")
     out = model.generate(**prompt, max_new_tokens=4, do_sample=False)
     assert tokenizer.decode(out[0, prompt.input_ids.shape[1]:]).startswith(" Paris")
+
+
+def test_gemma3_overflows_fp16_so_auto_runs_it_in_bf16_on_gpus_and_float16_is_refused(gemma3, essay, write_config):
+    """Gemma 3's fp16 forward returns NaN logits where fp32's are finite: "auto" (fp16 on GPUs, as the CUDA kernel
+    takes) is bf16 for it, and a config that asks for float16 is refused before any weights load."""
+    model, tokenizer = gemma3
+    ids = tokenizer(essay, return_tensors="pt").input_ids[:, :600]
+    with torch.inference_mode():
+        assert model(ids).logits.isfinite().all()
+        assert not copy.deepcopy(model).half()(ids).logits.isfinite().all()
+    model_type = model.config.get_text_config(decoder=True).model_type
+    assert resolve_dtype("auto", "cuda", model_type) == torch.bfloat16
+    assert resolve_dtype("auto", "cuda", "qwen2") == torch.float16 and resolve_dtype("auto", "cpu", model_type) == torch.float32
+    shipped = yaml.safe_load(CONFIG.read_text())
+    config = load_config(write_config(**{**shipped, "model": {**shipped["model"], "dtype": "float16"}}))
+    with pytest.raises(ConfigError, match="model.dtype: float16 overflows gemma-3-270m's activations"):
+        check_model(config)
 
 
 def test_the_gemma3_config_runs_fp16_against_kivi2_end_to_end_and_writes_the_report(gemma3, write_config, data_dir,
