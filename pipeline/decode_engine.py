@@ -99,10 +99,10 @@ class DecodeEngine:
         the measured best of 1/8 and 1/4 on a nightly-like load, BENCHMARKS.md "Prefill inside the schedule");
         ``use_kernels`` (default: on CUDA) False: the slot cache on the kivi/ oracle (no CUDA graph, and steps not
         compiled: it reads counts on the host), the reference the engine's kernels are checked against."""
-        if use_kernels is False and (compile_steps or (compile_steps is None and model.device.type == "cuda")):
-            raise ValueError("DecodeEngine: use_kernels=False reads the cache's counts on the host; set compile_steps=False")
         # Prefill through the "kivi" attention: exact, and soft-capped where the model asks (SDPA has no soft-capping).
         self.model, self.decode_step = enable_kivi(model), DecodeStep(model, compile_steps)
+        if use_kernels is False and self.decode_step.compiled:
+            raise ValueError("DecodeEngine: use_kernels=False reads the cache's counts on the host; set compile_steps=False")
         self.prefill_tokens, self.cuda_graph, self.sync_every, self.decode = prefill_tokens, cuda_graph, sync_every, decode
         self.refill, self.use_kernels = refill, use_kernels
         self.device, self.dtype = model.device, model.dtype

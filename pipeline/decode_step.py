@@ -143,8 +143,8 @@ class DecodeStep:
         if reason := unsupported(model):
             raise UnsupportedModelError(reason)
         self.model = model
-        compile_steps = model.device.type == "cuda" if compile_steps is None else compile_steps
-        self._logits: Callable = torch.compile(_next_logits, fullgraph=True) if compile_steps else _next_logits
+        self.compiled = model.device.type == "cuda" if compile_steps is None else compile_steps
+        self._logits: Callable = torch.compile(_next_logits, fullgraph=True) if self.compiled else _next_logits
 
     def step(self, cache: SlotCache, tokens: torch.Tensor, sampling: SlotSampling | None = None) -> None:
         """One decode step for every slot: tokens [B] in, the next tokens written back into it (greedy, or chosen

@@ -65,11 +65,14 @@ def resolve_dtype(name: str, device: str | torch.device, model_type: str | None 
 
 
 def load_model(
-    spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, tokenizer: str | None = None
+    spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | str = "auto", tokenizer: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    """Load (model, tokenizer) in eval mode. ``tokenizer``: a tokenizer spec to use instead of the model's own;
-    random-init shapes have none without it (None)."""
-    dtype = dtype or default_dtype(device)
+    """Load (model, tokenizer) in eval mode. ``dtype``: a torch dtype or a config's name of one ("auto":
+    ``default_dtype`` for the device and this model); ``tokenizer``: a tokenizer spec to use instead of the model's
+    own; random-init shapes have none without it (None)."""
+    if isinstance(dtype, str):
+        model_type = load_model_config(spec).get_text_config(decoder=True).model_type if dtype == "auto" else None
+        dtype = resolve_dtype(dtype, device, model_type)
     if spec.startswith(RANDOM_PREFIX):
         return _random_model(spec, device, dtype), load_tokenizer(tokenizer) if tokenizer else None
     source, gguf_file = _resolve(spec)

@@ -23,7 +23,7 @@ from transformers.utils import logging as hf_logging
 from pipeline.archive import ArchiveWriter
 from pipeline.config import RunConfig
 from pipeline.engine import Engine, Generation
-from pipeline.models import load_model, load_model_config, resolve_dtype
+from pipeline.models import load_model
 from pipeline.workloads import Request, Workload
 
 if TYPE_CHECKING:
@@ -66,11 +66,9 @@ class ModelWorker:
         # "Multi-GPU"). The memory-efficient kernel is, so reruns and actors reproduce the fp16 baseline.
         torch.backends.cuda.enable_cudnn_sdp(False)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        model_type = load_model_config(cfg.model.spec).get_text_config(decoder=True).model_type
-        dtype = resolve_dtype(cfg.model.dtype, self.device, model_type)
         # Its bar, forwarded by Ray line by line, would print a dozen lines per actor.
         hf_logging.disable_progress_bar()
-        model, tokenizer = load_model(cfg.model.spec, self.device, dtype, tokenizer=cfg.model.tokenizer)
+        model, tokenizer = load_model(cfg.model.spec, self.device, cfg.model.dtype, tokenizer=cfg.model.tokenizer)
         self.engine = Engine(model, tokenizer)
         self.archive = ArchiveWriter(cfg.archive, ctx.run_id)
         self._prepare()

@@ -28,7 +28,7 @@ import torch
 
 from kivi import KiviConfig
 from pipeline.decode_engine import DecodeEngine, DecodeRun, Sequence
-from pipeline.models import load_model, resolve_dtype
+from pipeline.models import load_model
 from pipeline.names import FP16
 from pipeline.sampling import Sampling
 from pipeline.sharegpt_pairs import LOCAL_PATTERN, LengthLimits, sample_pairs
@@ -105,7 +105,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    model, tokenizer = load_model(args.model, device, resolve_dtype("auto", device),
+    model, tokenizer = load_model(args.model, device,
                                   tokenizer=args.tokenizer if args.model.startswith("random:") else None)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     rows, distinct = sharegpt_prompts(args.data_dir, tokenizer, vocab, args.n, args.max_new_tokens, args.max_context)

@@ -48,10 +48,11 @@ def check_quantize(rows: list[dict], gen: torch.Generator) -> None:
                 })
 
 
-def decode_rows(rows: list[dict], name: str, query, ks, vs, softcap: float | None = None, kernel_args: dict | None = None,
+def decode_rows(rows: list[dict], name: str, query, ks, vs, softcap: float | None = None, warps: int | None = None,
                 **kwargs) -> None:
-    """The Triton kernel against the oracle and, where it serves the case, the CUDA kernel (with ``kernel_args``)
-    against the oracle and against the Triton kernel (the path the CPU tests run in the interpreter)."""
+    """The Triton kernel against the oracle and, where it serves the case, the CUDA kernel (at ``warps`` per block,
+    None: the backend's choice) against the oracle and against the Triton kernel (the path the CPU tests run in the
+    interpreter)."""
     scaling = query.shape[-1] ** -0.5
     ref = reference_decode(query, ks, vs, scaling, softcap)
     outs = {}
@@ -60,8 +61,8 @@ def decode_rows(rows: list[dict], name: str, query, ks, vs, softcap: float | Non
                                                 ks.resid.dtype):
             break
         outs[kernel] = torch.full(query.shape, float("nan"), dtype=torch.float32, device="cuda")
-        extra = (kernel_args or {}) if kernel == "cuda" else {}
-        decode_attention(query, ks, vs, scaling, out=outs[kernel], softcap=softcap, kernel=kernel, **kwargs, **extra)
+        decode_attention(query, ks, vs, scaling, out=outs[kernel], softcap=softcap, kernel=kernel,
+                         warps=warps if kernel == "cuda" else None, **kwargs)
         err = relative_error(outs[kernel], ref)
         rows.append({"check": "decode" if kernel == "triton" else "cuda", "case": name, "metric": "rel. error",
                      "value": err, "ok": err <= TOLERANCE})
@@ -110,8 +111,7 @@ def check_eight_warps(rows: list[dict], gen: torch.Generator) -> None:
             if not cuda_decode.fits(config, tuple(query.shape), kv_heads, query.device, warps=8):
                 continue
             ks, vs = fill_streams(keys, values, lengths, config)
-            decode_rows(rows, f"{shape} fp16 {name} B=64 L~1K 8 warps", query, ks, vs, kernel_args={"warps": 8},
-                        num_splits=1)
+            decode_rows(rows, f"{shape} fp16 {name} B=64 L~1K 8 warps", query, ks, vs, warps=8, num_splits=1)
 
 
 def check_slot_steps(rows: list[dict], gen: torch.Generator) -> None:

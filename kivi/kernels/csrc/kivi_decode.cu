@@ -675,7 +675,7 @@ __global__ void __launch_bounds__(W * 32, BITS == 4 ? 1 : 0) decode_kernel(const
 }
 
 template <int BITS, int D, int NT, int W>
-int launch(const Args& a, void* stream) {
+int launch(Decode<BITS, D, NT, W>, const Args& a, void* stream) {
 #ifdef KIVI_EMULATE
   (void)stream;
   emu::launch({unsigned(a.batch * a.kv_heads), unsigned(a.splits), 1}, {W * 32, 1, 1},
@@ -702,30 +702,24 @@ constexpr int max_warps() {
     return max_warps<BITS, D, NT, 2 * W>();
 }
 
-template <int BITS, int D, int NT, int W = 4>
-int launch_warps(const Args& a, void* stream) {
+// f(Decode<BITS, D, NT, W>{}) for the kernel of `warps` warps per block; -1 where none is built.
+template <int BITS, int D, int NT, int W = 4, class F>
+int with_warps(int warps, F&& f) {
   if constexpr (W < max_warps<BITS, D, NT>())
-    if (a.warps > W) return launch_warps<BITS, D, NT, 2 * W>(a, stream);
-  return a.warps == W ? launch<BITS, D, NT, W>(a, stream) : -1;
+    if (warps > W) return with_warps<BITS, D, NT, 2 * W>(warps, f);
+  return warps == W ? f(Decode<BITS, D, NT, W>{}) : -1;
 }
 
-template <int BITS, int D>
-int launch_heads(const Args& a, void* stream) {
-  const int hg = a.q_heads / a.kv_heads;
-  return hg <= 4 ? launch_warps<BITS, D, 1>(a, stream) : launch_warps<BITS, D, 2>(a, stream);
-}
-
-template <int BITS, int D, int NT>
-int shared_bytes(int warps) {
-  if (warps == 4) return Decode<BITS, D, NT, 4>::kSharedBytes;
-  if constexpr (max_warps<BITS, D, NT>() >= 8)
-    if (warps == 8) return Decode<BITS, D, NT, 8>::kSharedBytes;
-  return 0;
-}
-
-template <int BITS, int D>
-int shared_bytes_heads(int hg, int warps) {
-  return hg <= 4 ? shared_bytes<BITS, D, 1>(warps) : shared_bytes<BITS, D, 2>(warps);
+// f(Decode<...>{}) for the kernel of this layout (hg: query heads per KV head) and block size; -1 where none is built.
+template <class F>
+int dispatch(int bits, int head_dim, int hg, int warps, F&& f) {
+  if (hg < 1 || hg > 8) return -1;
+  const bool two_tiles = hg > 4;
+  if (bits == 2 && head_dim == 128) return two_tiles ? with_warps<2, 128, 2>(warps, f) : with_warps<2, 128, 1>(warps, f);
+  if (bits == 2 && head_dim == 256) return two_tiles ? with_warps<2, 256, 2>(warps, f) : with_warps<2, 256, 1>(warps, f);
+  if (bits == 4 && head_dim == 128) return two_tiles ? with_warps<4, 128, 2>(warps, f) : with_warps<4, 128, 1>(warps, f);
+  if (bits == 4 && head_dim == 256) return two_tiles ? with_warps<4, 256, 2>(warps, f) : with_warps<4, 256, 1>(warps, f);
+  return -1;
 }
 
 }  // namespace
@@ -734,23 +728,16 @@ extern "C" {
 
 // 0: launched; -1: a shape it does not serve (kivi/kernels/cuda_decode.py checks first); else a cudaError_t.
 int kivi_decode(const Args* a, int bits, int head_dim, void* stream) {
-  if (a->q_heads % a->kv_heads || a->q_heads / a->kv_heads > 8) return -1;
-  if (bits == 2 && head_dim == 128) return launch_heads<2, 128>(*a, stream);
-  if (bits == 2 && head_dim == 256) return launch_heads<2, 256>(*a, stream);
-  if (bits == 4 && head_dim == 128) return launch_heads<4, 128>(*a, stream);
-  if (bits == 4 && head_dim == 256) return launch_heads<4, 256>(*a, stream);
-  return -1;
+  if (a->q_heads % a->kv_heads) return -1;
+  return dispatch(bits, head_dim, a->q_heads / a->kv_heads, a->warps,
+                  [&](auto decode) { return launch(decode, *a, stream); });
 }
 
 // The dynamic shared memory of kivi_decode's block of `warps` warps for this layout (hg: query heads per KV head);
 // 0: no such kernel.
 int kivi_decode_shared_bytes(int bits, int head_dim, int hg, int warps) {
-  if (hg < 1 || hg > 8) return 0;
-  if (bits == 2 && head_dim == 128) return shared_bytes_heads<2, 128>(hg, warps);
-  if (bits == 2 && head_dim == 256) return shared_bytes_heads<2, 256>(hg, warps);
-  if (bits == 4 && head_dim == 128) return shared_bytes_heads<4, 128>(hg, warps);
-  if (bits == 4 && head_dim == 256) return shared_bytes_heads<4, 256>(hg, warps);
-  return 0;
+  const int bytes = dispatch(bits, head_dim, hg, warps, [](auto decode) { return decltype(decode)::kSharedBytes; });
+  return bytes > 0 ? bytes : 0;
 }
 
 const char* kivi_decode_error(int code) {
