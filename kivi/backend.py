@@ -26,6 +26,7 @@ from kivi.quant import quantize as quantize_oracle
 unsupported = kivi_decode.unsupported  # (config, query shape) -> why no fused decode can serve, or None
 dense_splits = dense_decode.default_num_splits
 dense_attention = dense_decode.dense_decode_attention
+dense_store = dense_decode.store_step  # a step's key and value into a dense layer's rows, one launch
 oracle_attention = attention_over_cache
 
 
@@ -97,10 +98,11 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def flush(key_resid: torch.Tensor, value_ring: torch.Tensor, keys: Quantized, values: Quantized,
-          positions: torch.Tensor, config: KiviConfig) -> None:
-    """KIVI's flush after a decode step, on the device (see ``kivi.kernels.quantize.flush_step``)."""
-    fused_quantize.flush_step(key_resid, value_ring, keys, values, positions, config)
+def append(key: torch.Tensor, value: torch.Tensor, key_resid: torch.Tensor, value_ring: torch.Tensor, keys: Quantized,
+           values: Quantized, positions: torch.Tensor, config: KiviConfig) -> None:
+    """A decode step's key and value stored, after KIVI's flush of what the step before completed, on the device
+    in one launch (see ``kivi.kernels.quantize.append_step``)."""
+    fused_quantize.append_step(key, value, key_resid, value_ring, keys, values, positions, config)
 
 
 def decode_attention(query: torch.Tensor, key_stream, value_stream, scaling: float, num_splits: int | None = None,

@@ -2,7 +2,7 @@
 
 A decode step is one call of the stock model's ``forward`` with the SlotCache as ``past_key_values``; every
 attention layer calls the registered function below instead of its SDPA. That function is one custom operator,
-``kivi::slot_attention`` (store the step's key and value at each slot's position, attend, flush), so that
+``kivi::slot_attention`` (flush, store the step's key and value at each slot's position, attend), so that
 torch.compile sees the rest of the forward whole (norms, projections, rotary, MLP fused between attentions) and
 treats the cache's work as one opaque call. The operator takes only tensors and constants: the cache it works on
 is the one ``stepping`` made current, so one compiled forward serves every SlotCache of the same batch size (one

@@ -6,18 +6,21 @@ sequence decodes there: an idle slot's step writes at position 0 and goes nowher
 and loaded again between steps, as continuous batching does). Every other count follows from the position and
 KIVI's flush rules, so a decode step never asks the host anything:
 
-- keys (groups of G tokens per channel) flush in blocks of KB = R tokens (G when R = 0): before the step
-  that appends position t, the first floor(t / KB) * KB keys are quantized and the rest sit in a residual
-  of KB rows, position i at row i % KB; after the step, a full block (t + 1 ≡ 0 mod KB) is quantized.
+- keys (groups of G tokens per channel) flush in blocks of KB = R tokens (G when R = 0): the step that
+  appends position t attends over floor(t / KB) * KB quantized keys and the rest in a residual of KB rows,
+  position i at row i % KB.
 - values (groups of G channels per token) keep the newest R tokens, plus the one just appended, in a ring
-  of R + 1 rows (position i at row i % (R + 1)); after the step, position t - R leaves it and is quantized.
+  of R + 1 rows (position i at row i % (R + 1)): the step attends over t - R quantized values.
 
-These are KVStream's rules (kivi.stream), so a sequence here holds the codes a KiviCache would hold. The
-prompt is not run here: the engine runs the stock model on it (exact attention) and ``load`` stores the
+A step flushes what the step before completed before it stores its token in the rows that frees: a full key
+block (t ≡ 0 mod KB), the value that left the window (position t - R - 1); on CUDA one kernel launch a layer does
+both (``kivi.kernels.quantize.append_step``). These are KVStream's rules (kivi.stream), so a step attends over the
+codes a KiviCache would hold.
+
+The prompt is not run here: the engine runs the stock model on it (exact attention) and ``load`` stores the
 keys and values. A decode step is the model's own forward with this cache as its ``past_key_values``; each
-attention layer calls its slot layer's ``attend`` (``kivi.slot_attention``): store the step's token, attend,
-flush. On CUDA the Triton kernels do all three; on the CPU (tests, smoke runs) the kivi/ oracle does, with the
-same results.
+attention layer calls its slot layer's ``attend`` (``kivi.slot_attention``): flush and store the step's token,
+attend. On CUDA the kernels do both; on the CPU (tests, smoke runs) the kivi/ oracle does, with the same results.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ class StepState:
         return self._derived[("ring", rows)]
 
     def slots(self, config: KiviConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of this step's token in the key residual and in the value ring, [B] each."""
+        """Rows of this step's token in the key residual and in the value ring, [B] each (the oracle's stores)."""
         key = ("slots", config.keys.block, config.values.window)
         if key not in self._derived:
             self._derived[key] = (self.positions % config.keys.block, self.positions % (config.values.window + 1))
@@ -80,7 +83,7 @@ class StepState:
 
 class _SlotLayer(CacheLayerMixin):
     """One layer of a SlotCache. As a transformers cache layer, ``update`` only hands the step's keys and values on:
-    the "kivi-slots" attention (``kivi.slot_attention``) stores them, attends and flushes in one call of ``attend``.
+    the "kivi-slots" attention (``kivi.slot_attention``) flushes, stores them and attends in one call of ``attend``.
 
     Kernels take head sizes of a few powers of two; another size (Phi-3's 96) is stored zero-padded to the next one
     they take: zero channels add nothing to q . k, quantize to exact zeros, and are cut from the output.
@@ -111,8 +114,8 @@ class _SlotLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                softcap: float | None) -> torch.Tensor:
-        """Store the step's key/value [B, Hkv, 1, D] at each sequence's position, attend with query [B, Hq, 1, D],
-        flush. Returns [B, Hq, 1, D]."""
+        """Flush what the step before completed, store the step's key/value [B, Hkv, 1, D] at each sequence's
+        position, attend with query [B, Hq, 1, D]. Returns [B, Hq, 1, D]."""
         query, key, value = (self._padded(x) for x in (query, key, value))
         out = self._attend(query, key[:, :, 0], value[:, :, 0], scaling, softcap)
         return out[..., : self.head_dim].contiguous() if self.stored_dim != self.head_dim else out
@@ -159,13 +162,14 @@ class DenseSlotLayer(_SlotLayer):
         self.keys[rows], self.values[rows] = keys.gather(2, at), values.gather(2, at)
 
     def _attend(self, query, key, value, scaling, softcap):
-        index = self.state.batch_index
         row, lengths = self.state.ring(self.rows)
-        self.keys[index, :, row] = key
-        self.values[index, :, row] = value
         if self.state.use_kernels:
+            backend.dense_store(key, value, self.keys, self.values, row)
             return backend.dense_attention(query, self.keys, self.values, lengths, scaling, self.num_splits,
                                            _output(query), softcap=softcap)
+        index = self.state.batch_index
+        self.keys[index, :, row] = key
+        self.values[index, :, row] = value
         longest = int(lengths.max())  # the oracle reads what is stored, not the whole capacity
         return backend.oracle_attention(query, self.keys[:, :, :longest].float(), self.values[:, :, :longest].float(),
                                         lengths, scaling, softcap)
@@ -210,8 +214,10 @@ class KiviSlotLayer(_SlotLayer):
         for buf, part in zip(self.values, q):
             buf[rows, :, :tokens] = part
         seq = torch.arange(len(lengths), device=keys.device)[:, None]
-        # key residual row s <- position n_qk + s; value ring row s <- the position of the last R + 1 with i % (R + 1) = s
-        key_pos = cfg.keys.quantized(lengths[:, None]) + torch.arange(kb, device=keys.device)
+        # key residual row s <- position s of the block the prompt's last token lies in (a full one is quantized
+        # again, to the same codes, by the first step's flush); value ring row s <- the position of the last R + 1
+        # with i % (R + 1) = s
+        key_pos = cfg.keys.quantized(lengths[:, None] - 1) + torch.arange(kb, device=keys.device)
         first = lengths[:, None] - w - 1
         ring_pos = first + (torch.arange(w + 1, device=keys.device) - first) % (w + 1)
         self.key_resid[rows] = keys[seq, :, key_pos.clamp(0, tokens - 1)].transpose(1, 2)
@@ -219,12 +225,17 @@ class KiviSlotLayer(_SlotLayer):
         self.view = None  # the oracle's float32 view is rebuilt at the next step
 
     def _attend(self, query, key, value, scaling, softcap):
+        cfg = self.config
+        if self.state.use_kernels:
+            backend.append(key, value, self.key_resid, self.value_ring, self.keys, self.values, self.state.positions, cfg)
+            return backend.decode(query, self.key_buffers, self.value_buffers, self.state.counts(cfg), cfg, scaling,
+                                  self.state.capacity, _output(query), v_ring=True, softcap=softcap,
+                                  num_splits=self.num_splits)
+        self._flush_oracle()
         index = self.state.batch_index
-        key_slot, value_slot = self.state.slots(self.config)
+        key_slot, value_slot = self.state.slots(cfg)
         self.key_resid[index, :, key_slot] = key
         self.value_ring[index, :, value_slot] = value
-        if self.state.use_kernels:
-            return self._attend_kernels(query, scaling, softcap)
         lengths = self.state.lengths()
         if self.view is None:  # every stored token as attention reads it, built once per load and kept current
             keys, values = self._materialize()
@@ -234,18 +245,8 @@ class KiviSlotLayer(_SlotLayer):
             self.view[0, index, :, self.state.positions.long()] = key.float()
             self.view[1, index, :, self.state.positions.long()] = value.float()
         longest = int(lengths.max())
-        out = backend.oracle_attention(query, self.view[0, :, :, :longest], self.view[1, :, :, :longest], lengths, scaling,
-                                       softcap)
-        self._flush_oracle()
-        return out
-
-    def _attend_kernels(self, query, scaling, softcap):
-        cfg = self.config
-        out = backend.decode(query, self.key_buffers, self.value_buffers, self.state.counts(cfg), cfg, scaling,
-                             self.state.capacity, _output(query), v_ring=True, softcap=softcap,
-                             num_splits=self.num_splits)
-        backend.flush(self.key_resid, self.value_ring, self.keys, self.values, self.state.positions, cfg)
-        return out
+        return backend.oracle_attention(query, self.view[0, :, :, :longest], self.view[1, :, :, :longest], lengths,
+                                        scaling, softcap)
 
     def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored token of every sequence as attention reads it: float32 [B, Hkv, max length, D]."""
@@ -266,22 +267,26 @@ class KiviSlotLayer(_SlotLayer):
         return keys, values
 
     def _flush_oracle(self) -> None:
+        """KIVI's flush of what the step before completed (``append_step``'s, on the oracle); the float32 view, once
+        built, follows."""
         cfg, kb, w, g = self.config, self.key_block, self.window, self.config.group_size
         kw = codes_per_word(cfg.k_bits)
         pos = self.state.positions.long()
-        for b in ((pos + 1) % kb == 0).nonzero()[:, 0].tolist():  # a full key block: rare, one sequence at a time
+        for b in ((pos % kb == 0) & (pos > 0)).nonzero()[:, 0].tolist():  # a full key block: rare, one sequence at a time
             q = quantize(self.key_resid[b : b + 1], cfg.k_bits, g, GROUP_DIM["channel"])
-            first = int(pos[b]) + 1 - kb
+            first = int(pos[b]) - kb
             for buf, part, row in zip(self.keys, q, (first // kw, first // g, first // g)):
                 buf[b, :, row : row + part.shape[2]] = part[0]
-            self.view[0, b, :, first : first + kb] = dequantize(q, cfg.k_bits, g, GROUP_DIM["channel"])[0]
-        leaving = (pos >= w).nonzero()[:, 0]  # each of these sequences quantizes the value at position t - R
+            if self.view is not None:
+                self.view[0, b, :, first : first + kb] = dequantize(q, cfg.k_bits, g, GROUP_DIM["channel"])[0]
+        leaving = (pos > w).nonzero()[:, 0]  # each of these sequences quantizes the value at position t - R - 1
         if len(leaving):
-            i = pos[leaving] - w
+            i = pos[leaving] - w - 1
             q = quantize(self.value_ring[leaving, :, i % (w + 1)][:, :, None], cfg.v_bits, g, GROUP_DIM["token"])
             for buf, part in zip(self.values, q):
                 buf[leaving, :, i] = part[:, :, 0]
-            self.view[1, leaving, :, i] = dequantize(q, cfg.v_bits, g, GROUP_DIM["token"])[:, :, 0]
+            if self.view is not None:
+                self.view[1, leaving, :, i] = dequantize(q, cfg.v_bits, g, GROUP_DIM["token"])[:, :, 0]
 
     def _buffers(self):
         return (*self.keys, *self.values, self.key_resid, self.value_ring)

@@ -2,7 +2,7 @@
 
 A step is the stock model's ``forward`` on one token per slot: ``position_ids`` from the slot positions (a device
 buffer), the SlotCache as ``past_key_values``, ``logits_to_keep=1``, every attention layer through "kivi-slots"
-(``kivi.slot_attention``: the step's key and value stored, attention, KIVI's flush, all on the device); then the
+(``kivi.slot_attention``: KIVI's flush, the step's key and value stored, attention, all on the device); then the
 next tokens are chosen (greedy, or sampled per slot: ``pipeline.sampling``) and the active slots' positions
 advance. Whatever the model does around its attention
 (q/k norms, soft-capping, fused projections, post-norms, embedding and residual multipliers, sliding-window

@@ -1,13 +1,14 @@
 """One attention layer's decode step on the slot cache, in parts: ``python -m tools.bench_layer_step [--json PATH]``.
 
 The engine's step is the model's forward over a ``SlotCache``; per attention layer that is: store the step's key
-and value, attend, and (KIVI) flush. This times each part for one layer of the nightly model's shape (Qwen2.5-1.5B:
-12 query / 2 KV heads, head_dim 128, fp16) at ``--slots`` sequences of ``--min-tokens..--max-tokens`` tokens
-(uniform, seeded) in slots of ``--capacity``: the fp16 layer whole and its decode; the KIVI-2 layer whole, its store,
-the step's counts (once per step for every layer), its flush, its decode on the CUDA kernel at several split
-counts (the default marked *) and on the Triton kernel. CUDA-graph medians (``triton.testing.do_bench_cudagraph``),
-microseconds. The positions stay fixed across replays, so a sequence that fills a key block flushes it in
-every replay (as some sequence does in most steps of a large batch).
+and value ((KIVI) after the flush of what the step before completed, in the same launch), then attend. This times
+each part for one layer of the nightly model's shape (Qwen2.5-1.5B: 12 query / 2 KV heads, head_dim 128, fp16) at
+``--slots`` sequences of ``--min-tokens..--max-tokens`` tokens (uniform, seeded) in slots of ``--capacity``: the
+fp16 layer whole, its store and its decode; the KIVI-2 layer whole, its flush and store, the step's counts (once
+per step for every layer), its decode on the CUDA kernel at several split counts (the default marked *) and on the
+Triton kernel. CUDA-graph medians (``triton.testing.do_bench_cudagraph``), microseconds. The positions stay fixed
+across replays, so a sequence whose key block is full flushes it in every replay (as some sequence does in most
+steps of a large batch).
 """
 
 from __future__ import annotations
@@ -48,27 +49,23 @@ def layer_parts(slots: int, capacity: int, lengths: torch.Tensor) -> dict[str, f
         cache = SlotCache(SHAPE, slots, capacity, torch.float16, "cuda", kivi)
         cache.load(rows, [(keys, values)], lengths.cuda())
         layer, state = cache.layers[0], cache.state
-        parts[f"{name} layer (store, attend, flush)"] = us(lambda: layer.attend(query, key, value, scaling, None))
+        parts[f"{name} layer (store, attend)"] = us(lambda: layer.attend(query, key, value, scaling, None))
         if kivi is None:
-            lengths_now = state.ring(layer.rows)[1]
+            row, lengths_now = state.ring(layer.rows)
+            parts["fp16 store"] = us(lambda: backend.dense_store(key[:, :, 0], value[:, :, 0], layer.keys, layer.values, row))
             parts["fp16 decode"] = us(lambda: backend.dense_attention(query, layer.keys, layer.values, lengths_now, scaling,
                                                                       layer.num_splits))
             continue
         config, counts = layer.config, state.counts(layer.config)
-        key_row, value_row = state.slots(config)
-
-        def store():
-            layer.key_resid[state.batch_index, :, key_row] = key[:, :, 0]
-            layer.value_ring[state.batch_index, :, value_row] = value[:, :, 0]
 
         def step_counts():
             state._derived.clear()
             state.counts(config)
 
-        parts["kivi-2 store"] = us(store)
+        parts["kivi-2 flush and store"] = us(lambda: backend.append(key[:, :, 0], value[:, :, 0], layer.key_resid,
+                                                                    layer.value_ring, layer.keys, layer.values,
+                                                                    state.positions, config))
         parts["kivi-2 counts (once per step)"] = us(step_counts)
-        parts["kivi-2 flush"] = us(lambda: backend.flush(layer.key_resid, layer.value_ring, layer.keys, layer.values,
-                                                         state.positions, config))
         default, _ = cuda_decode.default_launch(slots, kv_heads, capacity, config, tuple(query.shape), query.device)
         for splits in sorted({default, 1, 2, 3, 4, 6}):  # each at the backend's block size for it
             parts[f"kivi-2 CUDA decode, {splits} splits{' *' if splits == default else ''}"] = us(

@@ -61,6 +61,33 @@ def _dense_decode_kernel(
     store_split(acc, m_i, l_i, out_ptr, lse_ptr, b, h, split, kv_heads, num_splits, stride_ob, stride_oh, HG, SINGLE)
 
 
+@triton.jit
+def _store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, row_ptr, heads, rows, stride_kb, stride_kh, stride_kd, stride_vb,
+                  stride_vh, stride_vd, HEAD_DIM: tl.constexpr):
+    """Program (b, head): the step's key and value [B, H, D] (any strides) into row row[b] of the layer's keys and
+    values [B, H, rows, D] (contiguous)."""
+    bh = tl.program_id(0)
+    b, h = bh // heads, bh % heads
+    d = tl.arange(0, HEAD_DIM)
+    at = (bh.to(tl.int64) * rows + tl.load(row_ptr + b)) * HEAD_DIM + d
+    tl.store(kc_ptr + at, tl.load(k_ptr + b.to(tl.int64) * stride_kb + h * stride_kh + d * stride_kd))
+    tl.store(vc_ptr + at, tl.load(v_ptr + b.to(tl.int64) * stride_vb + h * stride_vh + d * stride_vd))
+
+
+def store_step(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               rows: torch.Tensor) -> None:
+    """A decode step's key and value [B, H, D] stored at row ``rows[b]`` (int32 [B], on the device) of keys and
+    values [B, H, capacity, D] (contiguous), both in one launch."""
+    batch, heads, capacity, dim = keys.shape
+    if key.shape != (batch, heads, dim) or value.shape != key.shape or values.shape != keys.shape:
+        raise ValueError(f"store_step: key and value must be [{batch}, {heads}, {dim}] for a layer of "
+                         f"{tuple(keys.shape)}, got {tuple(key.shape)}, {tuple(value.shape)} and {tuple(values.shape)}")
+    if not keys.is_contiguous() or not values.is_contiguous():
+        raise ValueError("store_step: the layer's keys and values must be contiguous")
+    _store_kernel[(batch * heads,)](key, value, keys, values, rows, heads, capacity, *key.stride(), *value.stride(),
+                                    HEAD_DIM=dim, num_warps=1)
+
+
 def default_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device, per_sm: int = 4) -> int:
     """Splits per sequence for about ``per_sm`` programs per multiprocessor, each with >= 2 blocks of the capacity."""
     return split_count(batch, kv_heads, capacity, 2 * BLOCK_N, 64, per_sm, device)

@@ -203,28 +203,35 @@ def _quantize_token_kernel(
 
 
 @triton.jit(do_not_specialize=["kc_rows", "vc_rows"])
-def _flush_kernel(
+def _append_kernel(
+    k_ptr, v_ptr,  # the step's key and value [B, H, D], any strides
     kr_ptr,  # key residual [B, H, KEY_BLOCK, D]: position i at row i % KEY_BLOCK
     vr_ptr,  # value ring [B, H, WINDOW + 1, D]: position i at row i % (WINDOW + 1)
     kc_ptr, ks_ptr, kz_ptr,  # keys: codes [B, H, kc_rows, D], scale/zero [B, H, kc_rows * CPW_K // GROUP, D]
     vc_ptr, vs_ptr, vz_ptr,  # values: codes [B, H, vc_rows, D // CPW_V], scale/zero [B, H, vc_rows, D // GROUP]
-    len_ptr,  # int32 [B]: the position of the token this step appended
-    heads, kc_rows, vc_rows,
+    pos_ptr,  # int32 [B]: the position of the step's token (tokens stored before it)
+    heads, kc_rows, vc_rows, stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd,
     HEAD_DIM: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
     KEY_BLOCK: tl.constexpr, WINDOW: tl.constexpr, RECIPROCAL: tl.constexpr,
 ):
-    """KIVI's flush after one decode step, for one (sequence, head) and one key group of the block (program axis
-    1): that group when the key block is full, and (group 0's program) the value that left the window. Programs
-    of sequences with nothing to flush only read their length. One program per key group, not per block: the few
-    sequences that fill a block in a step would otherwise quantize it alone, after every other program ended."""
+    """One decode step's store, for one (sequence, head) and one key group of the block (program axis 1): first
+    KIVI's flush of what the previous step completed, then the step's token into the rows that flush freed.
+
+    - keys: a residual full since the last step (t a multiple of KEY_BLOCK) is quantized, group g by program g
+      (one program per group, not per block: the few sequences that fill a block would otherwise quantize it
+      alone, after every other program ended); the step's key then goes to row t % KEY_BLOCK.
+    - values: the value that left the window with the last step (position t - WINDOW - 1) is quantized from the
+      row the step's value then takes, t % (WINDOW + 1); group 0's program does both.
+    A program with nothing to flush only stores."""
     CPW_K: tl.constexpr = 32 // BITS_K
     CPW_V: tl.constexpr = 32 // BITS_V
     bh, g = tl.program_id(0), tl.program_id(1)
-    t = tl.load(len_ptr + bh // heads)
+    b, h = bh // heads, bh % heads
+    t = tl.load(pos_ptr + b)
     bh64 = bh.to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
-    if (t + 1) % KEY_BLOCK == 0:
-        first = t + 1 - KEY_BLOCK
+    if (t % KEY_BLOCK == 0) & (t > 0):
+        first = t - KEY_BLOCK
         r = g * GROUP + tl.arange(0, GROUP)
         x = tl.load(kr_ptr + (bh64 * KEY_BLOCK + r[:, None]) * HEAD_DIM + d[None, :])
         words, scale, zero = _channel_words(x, ks_ptr.dtype.element_ty, BITS_K, RECIPROCAL)
@@ -233,35 +240,49 @@ def _flush_kernel(
         s_off = (bh64 * (kc_rows * CPW_K // GROUP) + first // GROUP + g) * HEAD_DIM + d
         tl.store(ks_ptr + s_off, scale)
         tl.store(kz_ptr + s_off, zero)
-    if t >= WINDOW and g == 0:
-        i = t - WINDOW
-        x = tl.load(vr_ptr + (bh64 * (WINDOW + 1) + i % (WINDOW + 1)) * HEAD_DIM + d)
-        words, scale, zero = _token_words(tl.reshape(x, (1, HEAD_DIM)), vs_ptr.dtype.element_ty, BITS_V, GROUP, RECIPROCAL)
-        w = tl.arange(0, HEAD_DIM // CPW_V)
-        tl.store(vc_ptr + (bh64 * vc_rows + i) * (HEAD_DIM // CPW_V) + w, tl.reshape(words, (HEAD_DIM // CPW_V,)))
-        gs = tl.arange(0, HEAD_DIM // GROUP)
-        s_off = (bh64 * vc_rows + i) * (HEAD_DIM // GROUP) + gs
-        tl.store(vs_ptr + s_off, tl.reshape(scale, (HEAD_DIM // GROUP,)))
-        tl.store(vz_ptr + s_off, tl.reshape(zero, (HEAD_DIM // GROUP,)))
+        tl.debug_barrier()  # every thread has read the group before program 0 writes its row 0
+    if g == (t % KEY_BLOCK) // GROUP:
+        key = tl.load(k_ptr + b.to(tl.int64) * stride_kb + h * stride_kh + d * stride_kd)
+        tl.store(kr_ptr + (bh64 * KEY_BLOCK + t % KEY_BLOCK) * HEAD_DIM + d, key)
+    if g == 0:
+        row = t % (WINDOW + 1)
+        if t > WINDOW:
+            i = t - WINDOW - 1
+            x = tl.load(vr_ptr + (bh64 * (WINDOW + 1) + row) * HEAD_DIM + d)
+            words, scale, zero = _token_words(tl.reshape(x, (1, HEAD_DIM)), vs_ptr.dtype.element_ty, BITS_V, GROUP,
+                                              RECIPROCAL)
+            w = tl.arange(0, HEAD_DIM // CPW_V)
+            tl.store(vc_ptr + (bh64 * vc_rows + i) * (HEAD_DIM // CPW_V) + w, tl.reshape(words, (HEAD_DIM // CPW_V,)))
+            gs = tl.arange(0, HEAD_DIM // GROUP)
+            s_off = (bh64 * vc_rows + i) * (HEAD_DIM // GROUP) + gs
+            tl.store(vs_ptr + s_off, tl.reshape(scale, (HEAD_DIM // GROUP,)))
+            tl.store(vz_ptr + s_off, tl.reshape(zero, (HEAD_DIM // GROUP,)))
+            tl.debug_barrier()  # the row is read before the step's value overwrites it
+        value = tl.load(v_ptr + b.to(tl.int64) * stride_vb + h * stride_vh + d * stride_vd)
+        tl.store(vr_ptr + (bh64 * (WINDOW + 1) + row) * HEAD_DIM + d, value)
 
 
-def flush_step(key_resid: torch.Tensor, value_ring: torch.Tensor, keys: Quantized, values: Quantized,
-               positions: torch.Tensor, config: KiviConfig) -> None:
-    """KIVI's flush after a decode step appended the token at ``positions`` (int32 [B]) of every sequence.
+def append_step(key: torch.Tensor, value: torch.Tensor, key_resid: torch.Tensor, value_ring: torch.Tensor,
+                keys: Quantized, values: Quantized, positions: torch.Tensor, config: KiviConfig) -> None:
+    """A decode step's key and value [B, H, D] stored at ``positions`` (int32 [B]) of every sequence, in one launch
+    with KIVI's flush of what the step before completed (it frees the rows they take).
 
-    Keys: when the residual (``key_resid`` [B, H, KB, D], position i in row i % KB, KB = ``config.keys.block``)
-    is full, its KB tokens are quantized per channel at rows of their positions. Values: the ring
-    (``value_ring`` [B, H, R + 1, D], R = ``config.values.window``) holds the window and the step's token; the
-    one that leaves the window (position - R) is quantized per token. Every index is read on the device, so a
-    CUDA graph can capture the call.
+    Keys: the residual ``key_resid`` [B, H, KB, D] holds position i in row i % KB (KB = ``config.keys.block``);
+    once full (the position a multiple of KB), its KB tokens are quantized per channel at rows of their positions.
+    Values: the ring ``value_ring`` [B, H, R + 1, D] (R = ``config.values.window``) holds the window and the last
+    step's token; the one that left the window (position - R - 1) is quantized per token. Every index is read on
+    the device, so a CUDA graph can capture the call.
     """
     batch, heads, key_block, dim = key_resid.shape
     if (key_block, value_ring.shape[2]) != (config.keys.block, config.values.window + 1):
-        raise ValueError(f"flush_step: key residual and value ring need {config.keys.block} and "
+        raise ValueError(f"append_step: key residual and value ring need {config.keys.block} and "
                          f"{config.values.window + 1} rows for {config.name}, got {key_block} and {value_ring.shape[2]}")
-    _flush_kernel[(batch * heads, key_block // config.group_size)](
-        key_resid, value_ring, keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero, positions,
-        heads, keys.codes.shape[2], values.codes.shape[2],
+    if key.shape != (batch, heads, dim) or value.shape != key.shape:
+        raise ValueError(f"append_step: key and value must be [{batch}, {heads}, {dim}], got {tuple(key.shape)} and "
+                         f"{tuple(value.shape)}")
+    _append_kernel[(batch * heads, key_block // config.group_size)](
+        key, value, key_resid, value_ring, keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero,
+        positions, heads, keys.codes.shape[2], values.codes.shape[2], *key.stride(), *value.stride(),
         HEAD_DIM=dim, BITS_K=config.k_bits, BITS_V=config.v_bits, GROUP=config.group_size, KEY_BLOCK=config.keys.block,
         WINDOW=config.values.window, RECIPROCAL=key_resid.device.type == "cuda", num_warps=4,
     )

@@ -77,8 +77,8 @@ def test_quantize_compiles_once_per_axis(record, axis, token_counts):
     assert len(keys) == len(token_counts) and len(set(keys)) == 1
 
 
-def test_flush_compiles_once_per_configuration(record):
-    flush = record(quantize_module, "_flush_kernel")
+def test_append_compiles_once_per_configuration(record):
+    append = record(quantize_module, "_append_kernel")
     batch, heads, dim, group, window = 2, 3, 64, 32, 32
     for capacity in (32, 416, 512, 4096, 4128):
         keys = allocate((batch, heads, capacity, dim), 2, group, "channel", torch.float16, "cpu")
@@ -86,7 +86,8 @@ def test_flush_compiles_once_per_configuration(record):
         key_resid = torch.randn(batch, heads, group, dim).half()
         value_ring = torch.randn(batch, heads, window + 1, dim).half()
         positions = torch.tensor([capacity - 1, capacity // 2], dtype=torch.int32)
-        quantize_module.flush_step(key_resid, value_ring, keys, values, positions,
-                                   KiviConfig(k_bits=2, v_bits=2, group_size=group, residual_length=window))
-    keys = flush()
+        key, value = torch.randn(2, batch, heads, dim).half()
+        quantize_module.append_step(key, value, key_resid, value_ring, keys, values, positions,
+                                    KiviConfig(k_bits=2, v_bits=2, group_size=group, residual_length=window))
+    keys = append()
     assert len(keys) == 5 and len(set(keys)) == 1
