@@ -284,7 +284,8 @@ def append_step(key: torch.Tensor, value: torch.Tensor, key_resid: torch.Tensor,
         key, value, key_resid, value_ring, keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero,
         positions, heads, keys.codes.shape[2], values.codes.shape[2], *key.stride(), *value.stride(),
         HEAD_DIM=dim, BITS_K=config.k_bits, BITS_V=config.v_bits, GROUP=config.group_size, KEY_BLOCK=config.keys.block,
-        WINDOW=config.values.window, RECIPROCAL=key_resid.device.type == "cuda", num_warps=4,
+        WINDOW=config.values.window, RECIPROCAL=key_resid.device.type == "cuda",
+        num_warps=2,  # the H200, 64 slots of Qwen2.5-1.5B: 3.8 us a launch, 6.6 at 4 warps (BENCHMARKS.md)
     )
 
 
