@@ -42,7 +42,7 @@ def twin_caches(kivi, heads, gen, window=None):
     return caches
 
 
-def steps_agree(kernels, oracle, heads, gen, softcap=None):
+def assert_steps_agree(kernels, oracle, heads, gen, softcap=None):
     q_heads, kv_heads, dim = heads
     for _ in range(STEPS):
         query = torch.randn(len(LENGTHS), q_heads, 1, dim, generator=gen, device=DEVICE).half()
@@ -66,14 +66,14 @@ def test_static_steps_on_kernels_match_the_oracle(name, heads, num_splits):
     gen = torch.Generator(device=DEVICE).manual_seed(len(name) * 7 + len(heads))
     kernels, oracle = twin_caches(CACHES[name], HEADS[heads], gen)
     kernels.layers[0].num_splits = num_splits
-    steps_agree(kernels, oracle, HEADS[heads], gen)
+    assert_steps_agree(kernels, oracle, HEADS[heads], gen)
 
 
 def test_a_key_block_of_two_groups_flushes_as_on_the_oracle():
     # R = 64: the block the 61-token prompt fills at its third step is two key groups, one flush program each.
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     kernels, oracle = twin_caches(KiviConfig(group_size=32, residual_length=64), HEADS["GQA-3 D64 (SmolLM2)"], gen)
-    steps_agree(kernels, oracle, HEADS["GQA-3 D64 (SmolLM2)"], gen)
+    assert_steps_agree(kernels, oracle, HEADS["GQA-3 D64 (SmolLM2)"], gen)
 
 
 @pytest.mark.parametrize("name", ["fp16", "kivi-2 G32 R32"])
@@ -82,7 +82,7 @@ def test_soft_capped_steps_on_kernels_match_the_oracle(name):
     heads = HEADS["GQA-3 D64 (SmolLM2)"]
     kernels, oracle = twin_caches(CACHES[name], heads, gen)
     kernels.layers[0].num_splits = 2
-    steps_agree(kernels, oracle, heads, gen, softcap=2.0)  # logits of about +-10 (outliers): the cap binds
+    assert_steps_agree(kernels, oracle, heads, gen, softcap=2.0)  # logits of about +-10 (outliers): the cap binds
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -93,7 +93,7 @@ def test_a_sliding_layers_ring_on_kernels_matches_the_oracle(num_splits):
     kernels, oracle = twin_caches(CACHES["kivi-2 G32 R32"], heads, gen, window=40)
     assert kernels.layers[0].keys.shape[2] == 40
     kernels.layers[0].num_splits = num_splits
-    steps_agree(kernels, oracle, heads, gen)
+    assert_steps_agree(kernels, oracle, heads, gen)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
