@@ -17,9 +17,9 @@
 //   keys with outlier channels). The zero terms q . z of a unit's two groups are one product (zero points
 //   in rows, exact, against -q), added once the codes' rows are scaled back. Full-precision keys are the left
 //   operand as stored, against q (exact) in the hi columns.
-//   Row r of a group's product jj is word row RPG * group + r % RPG, code r / RPG + (8 / RPG) * jj (r < 8), and
-//   the code HALF later for r + 8: rows r and r + 8, which one thread holds, lie in bytes jj and jj + 2 of one
-//   word at the same bit, so a byte permute of two words (two channels) and one mask give the operand pair.
+//   Rows g and g + 8 of a group's product jj, which one lane holds, are tokens 4 g + 2 jj and the next: a lane's
+//   four tokens of the group are one byte of each channel's word (two bytes at 4 bits), so a byte permute of two
+//   words (two channels) serves both products, and one mask per register gives the operand.
 // - values, O^T = V^T P^T: columns the heads, K the 16 tokens of one key product, in its row order, so the
 //   probabilities move from the key products' accumulators to the value products' right operand by two shuffles.
 //   Product 2 G + h holds 16 channels of value group G: row g is channel 32 G + 4 g + 2 h, row g + 8 the next one,
@@ -95,7 +95,6 @@ KIVI_DEVICE T load(const void* p) {
 template <int BITS, int D, int NT, int W>
 struct Decode {
   static constexpr int kCpw = 32 / BITS;                // codes per word
-  static constexpr int kHalf = kCpw / 2;                // codes per 16-bit half of a word
   static constexpr int kCodesPerByte = 8 / BITS;
   static constexpr int kRowsPerGroup = kGroup / kCpw;   // key word rows per key group
   static constexpr int kSteps = D / 16;                 // K steps of a key product
@@ -113,7 +112,7 @@ struct Decode {
   struct Stage {
     uint32_t kc[kUnitGroups * kRowsPerGroup * D];
     uint16_t ks[kUnitGroups * D], kz[kUnitGroups * D];
-    uint32_t vc[kUnitTokens * kValueWords];
+    uint32_t vc[kUnitTokens * kValueWords];  // rows: value_row
     uint16_t vs[kUnitTokens * kValueGroups], vz[kUnitTokens * kValueGroups];
   };
   // The block's merge of its warps, in the same shared memory once every warp is done.
@@ -123,12 +122,21 @@ struct Decode {
   static constexpr int kSharedBytes =
       int(sizeof(Stage)) * 2 * W > int(sizeof(Merge)) ? int(sizeof(Stage)) * 2 * W : int(sizeof(Merge));
 
-  // Token (within the sequence) of row r of key product jj of a group.
-  static KIVI_DEVICE int token(int group, int jj, int r) {
-    const int rr = r & 7;
-    return (kRowsPerGroup * group + rr % kRowsPerGroup) * kCpw + rr / kRowsPerGroup + (8 / kRowsPerGroup) * jj +
-           (r >= 8 ? kHalf : 0);
-  }
+  // Token (within the sequence) of row r of key product jj of a group: rows g and g + 8 are tokens 4 g + 2 jj and
+  // the next, so a lane's four tokens of a group are the four codes of one byte of each channel's word (2 bits; two
+  // bytes at 4): one byte permute serves two products.
+  static KIVI_DEVICE int token(int group, int jj, int r) { return kGroup * group + 4 * (r & 7) + 2 * jj + (r >> 3); }
+
+  // Place of key product jj's row g (r = 0) or g + 8 (r = 1) in its byte, the mask of that code in both halves of
+  // a byte pair, and what one unit of it reads as in fp16 (2^(BITS * pos - 24)).
+  static KIVI_DEVICE constexpr int key_pos(int jj, int r) { return (2 * jj + r) % kCodesPerByte; }
+  static KIVI_DEVICE constexpr uint32_t key_mask(int jj, int r) { return kCodeMask << (BITS * key_pos(jj, r)); }
+  static KIVI_DEVICE constexpr float key_scale(int jj, int r) { return float(1u << (24 - BITS * key_pos(jj, r))); }
+
+  // Row of a unit's token T in its stage's value codes, scales and zeros: a group's 32 rows transposed as 8 x 4. A
+  // value product's four lanes t read tokens kGroup i + 8 t + c (token): rows 8 t apart (of 8 words, at 2 bits)
+  // would share one bank, rows kGroup i + 4 c + t take four, and a lane's rows of a group lie at fixed distances.
+  static KIVI_DEVICE int value_row(int T) { return T / kGroup * kGroup + 4 * (T % 8) + T / 8 % 4; }
 
   // Byte `byte` of x in the low half, of y in the high half (each duplicated in its half's upper byte). Masked to
   // one code, a pair is an operand register: the code stays where it lies in its byte, at bit BITS * pos, and
@@ -208,23 +216,30 @@ struct Decode {
     copy_run<sizeof(st.kc), 16>(st.kc, s.kc + int64_t(kUnitGroups * kRowsPerGroup * u) * D, lane);
     copy_run<sizeof(st.ks), 16>(st.ks, s.ks + int64_t(kUnitGroups * u) * D, lane);
     copy_run<sizeof(st.kz), 16>(st.kz, s.kz + int64_t(kUnitGroups * u) * D, lane);
-    copy_run<sizeof(st.vc), 16>(st.vc, s.vc + int64_t(kUnitTokens * u) * kValueWords, lane);
-    copy_run<sizeof(st.vs), 8>(st.vs, s.vs + int64_t(kUnitTokens * u) * kValueGroups, lane);
-    copy_run<sizeof(st.vz), 8>(st.vz, s.vz + int64_t(kUnitTokens * u) * kValueGroups, lane);
+    copy_run<sizeof(st.vc), 16, kValueWords * 4>(st.vc, s.vc + int64_t(kUnitTokens * u) * kValueWords, lane);
+    copy_run<sizeof(st.vs), 8, kValueGroups * 2>(st.vs, s.vs + int64_t(kUnitTokens * u) * kValueGroups, lane);
+    copy_run<sizeof(st.vz), 8, kValueGroups * 2>(st.vz, s.vz + int64_t(kUnitTokens * u) * kValueGroups, lane);
   }
 
-  template <int kBytes, int kPiece>
+  // kRowBytes: the run is a unit's value rows of that size, each copied to its value_row; 0: copied as it lies.
+  template <int kBytes, int kPiece, int kRowBytes = 0>
   static KIVI_DEVICE void copy_run(void* to, const void* from, int lane) {
     static_assert(kBytes % (32 * kPiece) == 0, "whole pieces for every lane");
-    char* shared = static_cast<char*>(to) + kPiece * lane;
-    const char* global = static_cast<const char*>(from) + kPiece * lane;
 #pragma unroll
     for (int k = 0; k < kBytes / (32 * kPiece); ++k) {
+      const int at = kPiece * (32 * k + lane);
+      char* shared = static_cast<char*>(to) + (kRowBytes ? value_offset<kRowBytes>(at) : at);
       if constexpr (kPiece == 16)
-        copy16(shared + 32 * kPiece * k, global + 32 * kPiece * k, 16);
+        copy16(shared, static_cast<const char*>(from) + at, 16);
       else
-        copy8(shared + 32 * kPiece * k, global + 32 * kPiece * k);
+        copy8(shared, static_cast<const char*>(from) + at);
     }
+  }
+
+  // Where byte `at` of a unit's value rows of kRowBytes lies in its stage (value_row).
+  template <int kRowBytes>
+  static KIVI_DEVICE int value_offset(int at) {
+    return value_row(at / kRowBytes) * kRowBytes + at % kRowBytes;
   }
 
   // A unit with full-precision rows: the key groups that are quantized, the values of tokens below n_qv (codes in
@@ -246,13 +261,15 @@ struct Decode {
     const int64_t words = int64_t(first) * kValueWords, words_end = int64_t(s.vc_rows) * kValueWords;
     for (int c = lane; c < kUnitTokens * kValueWords / 4; c += 32) {
       const bool quantized = first + 4 * c / kValueWords < s.n_qv;
-      copy16(st.vc + 4 * c, s.vc + (quantized ? words + 4 * c : 0), quantized ? piece(words + 4 * c, words_end, 4) : 0);
+      copy16(reinterpret_cast<char*>(st.vc) + value_offset<kValueWords * 4>(16 * c), s.vc + (quantized ? words + 4 * c : 0),
+             quantized ? piece(words + 4 * c, words_end, 4) : 0);
     }
     const int64_t stats = int64_t(first) * kValueGroups;
     for (int c = lane; c < kUnitTokens * kValueGroups / 4; c += 32) {  // pieces of 8 bytes (see stage_plain)
       if (first + 4 * c / kValueGroups >= s.n_qv) continue;  // not read: the values' selects skip those tokens
-      copy8(st.vs + 4 * c, s.vs + stats + 4 * c);
-      copy8(st.vz + 4 * c, s.vz + stats + 4 * c);
+      const int at = value_offset<kValueGroups * 2>(8 * c);
+      copy8(reinterpret_cast<char*>(st.vs) + at, s.vs + stats + 4 * c);
+      copy8(reinterpret_cast<char*>(st.vz) + at, s.vz + stats + 4 * c);
     }
   }
 
@@ -270,20 +287,21 @@ struct Decode {
     const int group = kUnitGroups * u + i;
     if (kPlain || (group + 1) * kGroup <= s.n_qk) {  // a quantized key group, staged
       float acc[2][NT][4] = {};
-      const uint32_t* words = st.kc + (kRowsPerGroup * i + g % kRowsPerGroup) * D + 4 * t;
+      // The lane's tokens 4 g .. 4 g + 3 (token): one word row, and in it byte `first` (2 bits), or `first` and the
+      // next (4 bits: product jj's two tokens in byte first + jj).
+      const uint32_t* words = st.kc + (kRowsPerGroup * i + 4 * g / kCpw) * D + 4 * t;
       const uint16_t* scale = st.ks + i * D + 4 * t;
-      // The lane's rows are code pos of byte jj (row g) and byte jj + 2 (row g + 8) of its word row's halves.
-      const int pos = g / kRowsPerGroup;
-      const uint32_t lane_mask = kCodeMask << (BITS * pos);
+      const int first = 4 * g % kCpw / kCodesPerByte;
 #pragma unroll
       for (int k = 0; k < kSteps; ++k) {
         const uint4 w = load<uint4>(words + 16 * k);
         const uint2 sc = load<uint2>(scale + 16 * k);
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
-          // rows g (bytes jj) and g + 8 (bytes jj + 2) of channels 4t, 4t+1 (registers 0, 1) and 4t+2, 4t+3 (2, 3)
-          const uint32_t a[4] = {byte_pair(w.x, w.y, jj) & lane_mask, byte_pair(w.x, w.y, jj + 2) & lane_mask,
-                                 byte_pair(w.z, w.w, jj) & lane_mask, byte_pair(w.z, w.w, jj + 2) & lane_mask};
+          // rows g and g + 8 of channels 4t, 4t+1 (registers 0, 1) and 4t+2, 4t+3 (2, 3)
+          const int byte = first + 2 * jj / kCodesPerByte;
+          const uint32_t xy = byte_pair(w.x, w.y, byte), zw = byte_pair(w.z, w.w, byte);
+          const uint32_t a[4] = {xy & key_mask(jj, 0), xy & key_mask(jj, 1), zw & key_mask(jj, 0), zw & key_mask(jj, 1)};
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             const uint32_t bs[2] = {part(q.q[nt][k][0], q.qn[nt][k][0], sc.x),
@@ -292,14 +310,13 @@ struct Decode {
           }
         }
       }
-      const float row_scale = exp2f(float(24 - BITS * pos));  // undoes the codes' place and the subnormal's 2^-24
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const float zero_term = -shfl(zero[nt][1], 4 * i + t);  // q . z of the group, from row i of `zero`
 #pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          out[jj][nt][0] = (acc[jj][nt][0] + acc[jj][nt][1]) * row_scale + zero_term;
-          out[jj][nt][1] = (acc[jj][nt][2] + acc[jj][nt][3]) * row_scale + zero_term;
+        for (int jj = 0; jj < 2; ++jj) {  // each row's scale undoes its codes' place and the subnormal's 2^-24
+          out[jj][nt][0] = (acc[jj][nt][0] + acc[jj][nt][1]) * key_scale(jj, 0) + zero_term;
+          out[jj][nt][1] = (acc[jj][nt][2] + acc[jj][nt][3]) * key_scale(jj, 1) + zero_term;
         }
       }
       return;
@@ -353,12 +370,17 @@ struct Decode {
     }
     const uint32_t bp[2] = {prmt(pa, pb, 0x5410), prmt(pa, pb, 0x7632)};
 
-    // The lane's K columns are tokens 2t, 2t+1 (pair 0) and 2t+8, 2t+9 (pair 1) of the product.
-    const int tok[4] = {token(group, jj, 2 * t), token(group, jj, 2 * t + 1), token(group, jj, 2 * t + 8),
-                        token(group, jj, 2 * t + 9)};
+    // The lane's K columns are rows 2t + d of the key product, d = 0, 1 (pair 0) and 8, 9 (pair 1): tokens
+    // kGroup group + 8 t + c, c = token(0, jj, d) < 8. Their stage rows (value_row) written out, one base and
+    // constants: the compiler cannot see that (T / 8) % 4 is t.
+    constexpr int kColumns[4] = {0, 1, 8, 9};
+    const int base = kGroup * (group % kUnitGroups) + t;
+    int tok[4], row[4];
     bool quant[4], full[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
+      tok[e] = token(group, jj, 2 * t + kColumns[e]);
+      row[e] = base + 4 * token(0, jj, kColumns[e]);
       quant[e] = kPlain || tok[e] < s.n_qv;
       full[e] = !quant[e] && tok[e] < s.n_tok;
     }
@@ -368,9 +390,8 @@ struct Decode {
       uint32_t scales[4][kValueGroups / 2], zeros[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int row = tok[e] - kUnitTokens * u;
-        load_words(scales[e], st.vs + row * kValueGroups, quant[e]);
-        zeros[e] = quant[e] ? st.vz[row * kValueGroups + g % kValueGroups] : 0u;
+        load_words(scales[e], st.vs + row[e] * kValueGroups, quant[e]);
+        zeros[e] = quant[e] ? st.vz[row[e] * kValueGroups + g % kValueGroups] : 0u;
       }
       const uint32_t az[4] = {prmt(zeros[0], zeros[1], 0x5410), 0u, prmt(zeros[2], zeros[3], 0x5410), 0u};
       mma_16816(acc.zero, az, bp);  // row g: group g's zero points
@@ -382,8 +403,7 @@ struct Decode {
         uint32_t w[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int row = tok[e] - kUnitTokens * u;
-          w[e] = quant[e] ? st.vc[row * kValueWords + kGroupWords * vg + 4 * g / kCpw] : 0u;
+          w[e] = quant[e] ? st.vc[row[e] * kValueWords + kGroupWords * vg + 4 * g / kCpw] : 0u;
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // product 2 vg + h: the lane's channels 2h (row g) and 2h + 1 (row g + 8)
@@ -454,7 +474,7 @@ struct Decode {
 #pragma unroll
     for (int r = lane; r < kUnitTokens; r += 32) {
       uint32_t w[kValueGroups / 2];
-      load_words(w, st.vs + r * kValueGroups, kPlain || kUnitTokens * u + r < s.n_qv);
+      load_words(w, st.vs + value_row(r) * kValueGroups, kPlain || kUnitTokens * u + r < s.n_qv);
 #pragma unroll
       for (int i = 0; i < kValueGroups / 2; ++i) top = max_u16x2(top, w[i]);
     }
