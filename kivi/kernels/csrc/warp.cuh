@@ -86,6 +86,8 @@ KIVI_DEVICE void copy8(void* shared, const void* global) {
   const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(shared));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(to), "l"(global));
 }
+// Starts bringing the line at p into L2: a hint, nothing waits for it.
+KIVI_DEVICE void prefetch_line(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 KIVI_DEVICE void copy_commit() { asm volatile("cp.async.commit_group;"); }
 // Waits until at most `pending` committed groups of this thread's copies are still in flight.
 template <int pending>
