@@ -276,8 +276,7 @@ struct Decode {
   }
 
   // Starts unit u's full-precision keys and values towards L2 while the unit before is computed: they are read where
-  // they are used, not staged. A unit ahead, not all of a warp's at its start: that lost 7% at Llama-2-7B's B = 512,
-  // S = 640 (1.77x -> 1.65x SDPA) for 6.5% at Qwen2.5-1.5B's B = 64.
+  // they are used, not staged, and would otherwise come from memory at that point.
   static KIVI_DEVICE void prefetch_full(const Sequence& s, int u, int lane) {
     const int end = min(kUnitTokens * (u + 1), s.n_tok);
 #pragma unroll 1
