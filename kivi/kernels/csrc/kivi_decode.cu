@@ -228,7 +228,9 @@ struct Decode {
 #pragma unroll
     for (int k = 0; k < kBytes / (32 * kPiece); ++k) {
       const int at = kPiece * (32 * k + lane);
-      char* shared = static_cast<char*>(to) + (kRowBytes ? value_offset<kRowBytes>(at) : at);
+      int place = at;
+      if constexpr (kRowBytes > 0) place = value_offset<kRowBytes>(at);
+      char* shared = static_cast<char*>(to) + place;
       if constexpr (kPiece == 16)
         copy16(shared, static_cast<const char*>(from) + at, 16);
       else
