@@ -30,7 +30,9 @@
 // The query and the key products work in raw units (q . k); qk_scale (with log2 e) is applied in fp32 after.
 // Probabilities and their sums carry a factor 2^bits (Softmax), the output and log-sum-exp do not.
 // Each warp copies its next unit's codes, scales and zeros into shared memory (cp.async) while it computes the
-// current one, so a unit waits for its loads once; full-precision keys and values are read as they are used.
+// current one, so a unit waits for its loads once (with one split the first unit's copies start before the sequence's
+// counts arrive); full-precision keys and values are read from global memory where they are used, a group's keys all
+// at once (kRowsAhead), its values too where registers allow (kValuesAhead).
 #include "warp.cuh"
 
 #ifndef KIVI_EMULATE
@@ -73,7 +75,7 @@ constexpr int kMaxWarps = 8;
 // kivi/kernels/cuda_decode.py checks the device's own limit.
 constexpr int kSharedLimit = 227 * 1024;
 constexpr int kUnitGroups = 2;   // key groups a warp takes at a time (one softmax update)
-constexpr uint32_t kSign = 0x80008000u;
+constexpr uint32_t kMinusOne = 0xBC00BC00u;  // -1, -1 as fp16
 // The largest factor 2^bits the probabilities take (Softmax): 2^15 and p * s of fp16 scales below 1 stay in fp16.
 constexpr int kMaxProbabilityBits = 15;
 
@@ -103,6 +105,15 @@ struct Decode {
   static constexpr int kValueGroups = D / kGroup;
   static constexpr int kGroupWords = kGroup / kCpw;     // value words per (token, value group)
   static constexpr int kUnitTokens = kUnitGroups * kGroup;
+  // Key products of a group whose full-precision keys are loaded together, before any is used: both at head_dim
+  // 128 (64 registers a lane: one wait where there were two), one at a time at 256.
+  static constexpr int kRowsAhead = D <= 128 ? 2 : 1;
+  // Full-precision values of both key products of a group loaded before the softmax, with the keys' wait behind
+  // them, where a block of 8 warps (one block a multiprocessor) spares their 64 registers a lane; elsewhere 4 value
+  // groups at a time, where they are used (loaded ahead at 4 warps, 2-bit MHA took 171 registers, not 126: a block
+  // less a multiprocessor).
+  static constexpr bool kValuesAhead = W == 8 && D <= 128;
+  static constexpr int kValueChunk = kValueGroups < 4 ? kValueGroups : 4;
   static constexpr uint32_t kCodeMask = ((1u << BITS) - 1) * 0x10001u;
   static_assert(D % kGroup == 0 && kValueGroups <= 8 && kValueGroups % 2 == 0,
                 "value groups in pairs of scales, and one row of the zero terms' product each");
@@ -115,10 +126,16 @@ struct Decode {
     uint32_t vc[kUnitTokens * kValueWords];  // rows: value_row
     uint16_t vs[kUnitTokens * kValueGroups], vz[kUnitTokens * kValueGroups];
   };
-  // The block's merge of its warps, in the same shared memory once every warp is done.
+  // The block's merge of its warps, in the same shared memory once every warp is done. o[w][head] holds channel c at
+  // merge_column(head, c).
   struct Merge {
     float o[W][8][D], zero[W][8][kValueGroups], m[W][8], l[W][8];
   };
+  // A warp's store of one accumulator register puts lane (g, t)'s value at channel 4 g + const of head 2 t (or
+  // 2 t + 1): with rows of D floats the four t share a bank (a 4-way conflict). XOR with head / 2 % 4 (t) spreads
+  // them over the 4 banks of each 4 g; the outputs' loop reads a head's 32 consecutive channels, permuted within
+  // runs of 4: no conflict either.
+  static KIVI_DEVICE int merge_column(int head, int c) { return c ^ (head / 2 % 4); }
   static constexpr int kSharedBytes =
       int(sizeof(Stage)) * 2 * W > int(sizeof(Merge)) ? int(sizeof(Stage)) * 2 * W : int(sizeof(Merge));
 
@@ -165,8 +182,9 @@ struct Decode {
   }
 
   // fp16 pair (q * s) as its hi or lo part: hi = fp16(q * s), lo = fp16(q * s - hi), exact for fp16 q and s.
-  // qn: -q in the lanes of lo parts, else 0 (q * s + 0 is hi): two instructions and no select.
-  static KIVI_DEVICE uint32_t part(uint32_t q, uint32_t qn, uint32_t s) { return hfma2(q, s, hmul2(qn, s)); }
+  // lo: -1 in the lanes of lo parts, else 0 (q * s - 0 is hi). Three fp16 instructions and no select: a -q kept
+  // per lane instead (two instructions) was rematerialized in the loop, one ALU instruction per register.
+  static KIVI_DEVICE uint32_t part(uint32_t q, uint32_t lo, uint32_t s) { return hfma2(q, s, hmul2(hmul2(q, s), lo)); }
 
   // A warp's value accumulators: o[2 G + h] the value products' (code units, scaled back at the end), zero the
   // zero terms' (row g: group g; true units). Columns: heads 2t, 2t + 1.
@@ -184,9 +202,9 @@ struct Decode {
     int bits;
   };
 
-  // The query as the key products' right operand (see run), and its negation in the lanes of lo parts (part).
+  // The query as the key products' right operand (see run), and lo (part): -1 in the lanes of lo parts, else 0.
   struct Query {
-    uint32_t q[NT][kSteps][2], qn[NT][kSteps][2];
+    uint32_t q[NT][kSteps][2], lo;
   };
 
   struct Sequence {
@@ -324,8 +342,7 @@ struct Decode {
           const uint32_t a[4] = {xy & key_mask(jj, 0), xy & key_mask(jj, 1), zw & key_mask(jj, 0), zw & key_mask(jj, 1)};
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            const uint32_t bs[2] = {part(q.q[nt][k][0], q.qn[nt][k][0], sc.x),
-                                    part(q.q[nt][k][1], q.qn[nt][k][1], sc.y)};
+            const uint32_t bs[2] = {part(q.q[nt][k][0], q.lo, sc.x), part(q.q[nt][k][1], q.lo, sc.y)};
             mma_16816(acc[jj][nt], a, bs);
           }
         }
@@ -344,25 +361,28 @@ struct Decode {
     if constexpr (!kPlain) {  // full-precision keys: the residual (tokens past n_tok read nothing)
       float acc[2][NT][4] = {};
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        const int t0 = token(group, jj, g), t1 = token(group, jj, g + 8);
-        const uint16_t* k0 = s.kr + int64_t(t0 - s.n_qk) * D + 4 * t;
-        const uint16_t* k1 = s.kr + int64_t(t1 - s.n_qk) * D + 4 * t;
-        uint2 x0[kSteps], x1[kSteps];  // every load first: one wait, not one per product
+      for (int first = 0; first < 2; first += kRowsAhead) {
+        uint2 x[kRowsAhead][2][kSteps];  // rows g and g + 8: every load first, one wait for kRowsAhead products
 #pragma unroll
-        for (int k = 0; k < kSteps; ++k) {
-          x0[k] = t0 < s.n_tok ? load<uint2>(k0 + 16 * k) : uint2{0, 0};
-          x1[k] = t1 < s.n_tok ? load<uint2>(k1 + 16 * k) : uint2{0, 0};
-        }
+        for (int j = 0; j < kRowsAhead; ++j)
 #pragma unroll
-        for (int k = 0; k < kSteps; ++k) {
-          const uint32_t a[4] = {x0[k].x, x1[k].x, x0[k].y, x1[k].y};
+          for (int r = 0; r < 2; ++r) {
+            const int T = token(group, first + j, g + 8 * r);
+            const uint16_t* row = s.kr + int64_t(T - s.n_qk) * D + 4 * t;
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint32_t bq[2] = {g & 1 ? 0u : q.q[nt][k][0], g & 1 ? 0u : q.q[nt][k][1]};
-            mma_16816(acc[jj][nt], a, bq);
+            for (int k = 0; k < kSteps; ++k) x[j][r][k] = T < s.n_tok ? load<uint2>(row + 16 * k) : uint2{0, 0};
           }
-        }
+#pragma unroll
+        for (int j = 0; j < kRowsAhead; ++j)
+#pragma unroll
+          for (int k = 0; k < kSteps; ++k) {
+            const uint32_t a[4] = {x[j][0][k].x, x[j][1][k].x, x[j][0][k].y, x[j][1][k].y};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              const uint32_t bq[2] = {g & 1 ? 0u : q.q[nt][k][0], g & 1 ? 0u : q.q[nt][k][1]};
+              mma_16816(acc[first + j][nt], a, bq);
+            }
+          }
       }
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj)
@@ -374,11 +394,59 @@ struct Decode {
     }
   }
 
+  // The full-precision values of the lane's four K columns of key product jj of a group (tokens value_token),
+  // channels 4 g .. 4 g + 3 of n value groups; zeros for tokens quantized or past the sequence.
+  template <int n>
+  struct ValueRows {
+    uint2 x[4][n];
+  };
+
+  // Token of the lane's K column e of key product jj (rows 2t + d of the key product, d = 0, 1, 8, 9).
+  static KIVI_DEVICE int value_token(int group, int jj, int t, int e) {
+    constexpr int kColumns[4] = {0, 1, 8, 9};
+    return token(group, jj, 2 * t + kColumns[e]);
+  }
+
+  // Starts loading ValueRows of value groups first .. first + n - 1: every load before any use, one wait.
+  template <int n>
+  static KIVI_DEVICE void load_value_rows(const Sequence& s, int group, int jj, int g, int t, int first,
+                                          ValueRows<n>& rows) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int T = value_token(group, jj, t, e);
+      const bool full = T >= s.n_qv && T < s.n_tok;
+      const uint16_t* v = s.vr + int64_t(s.ring ? T % s.vr_rows : T - s.n_qv) * D + 4 * g + kGroup * first;
+#pragma unroll
+      for (int c = 0; c < n; ++c) rows.x[e][c] = full ? load<uint2>(v + kGroup * c) : uint2{0, 0};
+    }
+  }
+
+  // acc += the products of ValueRows of value groups first .. first + n - 1 against bp (p of the key product's
+  // tokens, as group_values takes it), in units of their own, each result scaled to the codes' units.
+  template <int n>
+  static KIVI_DEVICE void add_value_rows(const ValueRows<n>& rows, int first, const uint32_t (&bp)[2], Output& acc) {
+#pragma unroll
+    for (int c = 0; c < n; ++c)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint2(&x)[4][n] = rows.x;
+        const uint32_t y[4] = {h ? x[0][c].y : x[0][c].x, h ? x[1][c].y : x[1][c].x, h ? x[2][c].y : x[2][c].x,
+                               h ? x[3][c].y : x[3][c].x};
+        const uint32_t a[4] = {prmt(y[0], y[1], 0x5410), prmt(y[0], y[1], 0x7632), prmt(y[2], y[3], 0x5410),
+                               prmt(y[2], y[3], 0x7632)};
+        float f[4] = {};
+        mma_16816(f, a, bp);
+        float(&o)[4] = acc.o[2 * (first + c) + h];
+        o[0] += f[0] * code_unit(2 * h), o[1] += f[1] * code_unit(2 * h);
+        o[2] += f[2] * code_unit(2 * h + 1), o[3] += f[3] * code_unit(2 * h + 1);
+      }
+  }
+
   // acc += V^T P^T over the 16 tokens of key product jj of a group; p: the probabilities of the lane's rows g and
   // g + 8 for head 4 nt + t, as fp16 pairs. kPlain: every value of the unit is quantized.
   template <bool kPlain>
   static KIVI_DEVICE void group_values(const Sequence& s, const Stage& st, const uint32_t (&p)[NT], int u, int group,
-                                       int jj, int g, int t, Output& acc) {
+                                       int jj, int g, int t, const ValueRows<kValueGroups>& ahead, Output& acc) {
     // Right operand: P^T rows (tokens) 2t, 2t+1, 2t+8, 2t+9, column g (head g): from the lanes holding those key
     // rows (4 (2t) + head % 4 and the next group) for head g's column tile.
     const int src = 8 * t + g % 4;
@@ -391,16 +459,15 @@ struct Decode {
     const uint32_t bp[2] = {prmt(pa, pb, 0x5410), prmt(pa, pb, 0x7632)};
 
     // The lane's K columns are rows 2t + d of the key product, d = 0, 1 (pair 0) and 8, 9 (pair 1): tokens
-    // kGroup group + 8 t + c, c = token(0, jj, d) < 8. Their stage rows (value_row) written out, one base and
-    // constants: the compiler cannot see that (T / 8) % 4 is t.
-    constexpr int kColumns[4] = {0, 1, 8, 9};
+    // kGroup group + 8 t + c, c = value_token(0, jj, 0, e) < 8. Their stage rows (value_row) written out, one base
+    // and constants: the compiler cannot see that (T / 8) % 4 is t.
     const int base = kGroup * (group % kUnitGroups) + t;
     int tok[4], row[4];
     bool quant[4], full[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      tok[e] = token(group, jj, 2 * t + kColumns[e]);
-      row[e] = base + 4 * token(0, jj, kColumns[e]);
+      tok[e] = value_token(group, jj, t, e);
+      row[e] = base + 4 * value_token(0, jj, 0, e);
       quant[e] = kPlain || tok[e] < s.n_qv;
       full[e] = !quant[e] && tok[e] < s.n_tok;
     }
@@ -435,34 +502,16 @@ struct Decode {
         }
       }
     }
-    if (!kPlain && warp_any(full[0] || full[1] || full[2] || full[3])) {
-      // Full-precision values against p, in units of their own, each product's result scaled to the codes' units.
-      // Loads 4 groups at a time, all before their products: one wait per 4 groups, not one per product.
-      constexpr int kChunk = kValueGroups < 4 ? kValueGroups : 4;
-      const uint16_t* v[4];
+    if (!kPlain && warp_any(full[0] || full[1] || full[2] || full[3])) {  // full-precision values against p
+      if constexpr (kValuesAhead) {
+        add_value_rows(ahead, 0, bp, acc);
+      } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] = s.vr + int64_t(s.ring ? tok[e] % s.vr_rows : tok[e] - s.n_qv) * D + 4 * g;
-#pragma unroll
-      for (int first = 0; first < kValueGroups; first += kChunk) {
-        uint2 x[4][kChunk];
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-#pragma unroll
-          for (int c = 0; c < kChunk; ++c) x[e][c] = full[e] ? load<uint2>(v[e] + kGroup * (first + c)) : uint2{0, 0};
-#pragma unroll
-        for (int c = 0; c < kChunk; ++c)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t y[4] = {h ? x[0][c].y : x[0][c].x, h ? x[1][c].y : x[1][c].x, h ? x[2][c].y : x[2][c].x,
-                                   h ? x[3][c].y : x[3][c].x};
-            const uint32_t a[4] = {prmt(y[0], y[1], 0x5410), prmt(y[0], y[1], 0x7632), prmt(y[2], y[3], 0x5410),
-                                   prmt(y[2], y[3], 0x7632)};
-            float f[4] = {};
-            mma_16816(f, a, bp);
-            float(&o)[4] = acc.o[2 * (first + c) + h];
-            o[0] += f[0] * code_unit(2 * h), o[1] += f[1] * code_unit(2 * h);
-            o[2] += f[2] * code_unit(2 * h + 1), o[3] += f[3] * code_unit(2 * h + 1);
-          }
+        for (int first = 0; first < kValueGroups; first += kValueChunk) {
+          ValueRows<kValueChunk> rows;
+          load_value_rows(s, group, jj, g, t, first, rows);
+          add_value_rows(rows, first, bp, acc);
+        }
       }
     }
   }
@@ -503,7 +552,7 @@ struct Decode {
   }
 
   // Adds the zero terms q . z of the unit's key groups to `zero`, one product per column tile: the zero points of
-  // group g % 2 in row g (exact fp16, no parts), against qn, -q in the lo columns and 0 in the hi ones; so
+  // group g % 2 in row g (exact fp16, no parts), against q * lo, -q in the lo columns and 0 in the hi ones; so
   // zero[nt][1] of the lanes of row i is minus group i's term for head 4 nt + t (rows past the unit's groups repeat
   // them, unread).
   static KIVI_DEVICE void zero_terms(const Stage& st, const Query& q, int g, int t, float (&zero)[NT][4]) {
@@ -513,7 +562,10 @@ struct Decode {
       const uint2 x = load<uint2>(z + 16 * k);
       const uint32_t a[4] = {x.x, 0u, x.y, 0u};  // rows g + 8: nothing
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mma_16816(zero[nt], a, q.qn[nt][k]);
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint32_t qn[2] = {hmul2(q.q[nt][k][0], q.lo), hmul2(q.q[nt][k][1], q.lo)};
+        mma_16816(zero[nt], a, qn);
+      }
     }
   }
 
@@ -523,6 +575,11 @@ struct Decode {
                                 Output& acc) {
     float x[2][NT][2];
     group_logits<kPlain>(s, st, q, zero, u, i, g, t, x);
+    const int group = kUnitGroups * u + i;
+    ValueRows<kValueGroups> ahead[2];  // kValuesAhead: both key products' full-precision values
+    if constexpr (!kPlain && kValuesAhead)
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) load_value_rows(s, group, jj, g, t, 0, ahead[jj]);
     const bool capped = a.cap > 0.f;
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj)
@@ -581,7 +638,7 @@ struct Decode {
         sm.l[nt] += p0 + p1;
         p[nt] = pack_half2(p0, p1);
       }
-      group_values<kPlain>(s, st, p, u, kUnitGroups * u + i, jj, g, t, acc);
+      group_values<kPlain>(s, st, p, u, group, jj, g, t, ahead[jj], acc);
     }
   }
 
@@ -599,6 +656,13 @@ struct Decode {
     s.vs = a.vs + bh64 * a.vc_rows * kValueGroups;
     s.vz = a.vz + bh64 * a.vc_rows * kValueGroups;
     s.vr = a.vr + bh64 * a.vr_rows * D;
+    // With one split a warp's first unit is unit `warp`, known before the counts arrive: it is staged as a plain one
+    // at once where the buffers hold it (the counts' latency and the copies' then overlap), and again below where
+    // the counts show it is not plain.
+    Stage* stages = static_cast<Stage*>(dynamic_shared()) + 2 * warp;
+    const bool early = a.splits == 1 && kUnitGroups * kRowsPerGroup * (warp + 1) <= a.kc_rows &&
+                       kUnitGroups * (warp + 1) <= a.ks_rows && kUnitTokens * (warp + 1) <= a.vc_rows;
+    if (early) stage_plain(s, warp, stages[0], lane);
     s.n_qk = a.counts[a.batch + b];
     s.n_qv = a.counts[2 * a.batch + b];
     s.n_tok = a.counts[3 * a.batch + b];
@@ -617,9 +681,9 @@ struct Decode {
       for (int k = 0; k < kSteps; ++k) {
         const uint2 x = head < hg ? load<uint2>(row + 16 * k) : uint2{0, 0};
         q.q[nt][k][0] = x.x, q.q[nt][k][1] = x.y;
-        q.qn[nt][k][0] = g & 1 ? x.x ^ kSign : 0u, q.qn[nt][k][1] = g & 1 ? x.y ^ kSign : 0u;
       }
     }
+    q.lo = g & 1 ? kMinusOne : 0u;
 
     Softmax sm;
     sm.bits = kMaxProbabilityBits;
@@ -630,8 +694,11 @@ struct Decode {
     const int units = (s.n_tok + kUnitGroups * kGroup - 1) / (kUnitGroups * kGroup);
     const int per_split = (units + a.splits - 1) / a.splits;
     const int first = split * per_split + warp, last = min(split * per_split + per_split, units);
-    Stage* stages = static_cast<Stage*>(dynamic_shared()) + 2 * warp;
-    if (first < last) stage(s, first, stages[0], lane);
+    copy_commit();
+    if (first < last && !(early && plain(s, first))) {  // first == warp where early
+      copy_wait<0>();  // the early copies land before the stage is written again
+      stage(s, first, stages[0], lane);
+    }
     copy_commit();
     for (int u = first, n = 0; u < last; u += W, ++n) {
       if (u + W < last) stage(s, u + W, stages[(n + 1) & 1], lane);
@@ -668,10 +735,10 @@ struct Decode {
     for (int mi = 0; mi < kValueTiles; ++mi) {  // in true units: channel 32 G + 4 g + 2 h (row g), + 1 (row g + 8)
       const int channel = kGroup * (mi / 2) + 4 * g + 2 * (mi % 2);
       const float row = 1.f / code_unit(2 * (mi % 2)), next = 1.f / code_unit(2 * (mi % 2) + 1);
-      warp_o[warp][2 * t][channel] = acc.o[mi][0] * row;
-      warp_o[warp][2 * t + 1][channel] = acc.o[mi][1] * row;
-      warp_o[warp][2 * t][channel + 1] = acc.o[mi][2] * next;
-      warp_o[warp][2 * t + 1][channel + 1] = acc.o[mi][3] * next;
+      warp_o[warp][2 * t][merge_column(2 * t, channel)] = acc.o[mi][0] * row;
+      warp_o[warp][2 * t + 1][merge_column(2 * t + 1, channel)] = acc.o[mi][1] * row;
+      warp_o[warp][2 * t][merge_column(2 * t, channel + 1)] = acc.o[mi][2] * next;
+      warp_o[warp][2 * t + 1][merge_column(2 * t + 1, channel + 1)] = acc.o[mi][3] * next;
     }
     sync_block();
     // The block's place, derived again: kept from the start, two of its registers were spilled across the loop.
@@ -688,7 +755,7 @@ struct Decode {
         for (int w = 0; w < W; ++w) {
           const float f = fast_exp2(warp_m[w][head] - top);
           sum += f * warp_l[w][head];
-          out += f * (warp_o[w][head][c] + warp_z[w][head][c / kGroup]);
+          out += f * (warp_o[w][head][merge_column(head, c)] + warp_z[w][head][c / kGroup]);
         }
       }
       const int qh = h_out * hg_out + head;
