@@ -202,6 +202,7 @@ KIVI_DEVICE uint32_t max_u16x2(uint32_t a, uint32_t b) {
 
 KIVI_DEVICE float fast_exp2(float x) { return std::exp2(x); }
 KIVI_DEVICE float fast_log2(float x) { return std::log2(x); }
+KIVI_DEVICE float fast_rcp(float x) { return 1.f / x; }
 
 KIVI_DEVICE uint32_t shfl(uint32_t v, int src) { return emu::warp_meet(&v, 1)[src & 31][0]; }
 

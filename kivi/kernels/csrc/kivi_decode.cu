@@ -216,6 +216,14 @@ struct Decode {
     bool ring;
   };
 
+  // Token T's row in the key residual, and in the value residual (or its ring): T at or past n_qk, n_qv.
+  static KIVI_DEVICE const uint16_t* full_key(const Sequence& s, int T) { return s.kr + int64_t(T - s.n_qk) * D; }
+  static KIVI_DEVICE const uint16_t* full_value(const Sequence& s, int T) {
+    return s.vr + int64_t(s.ring ? T % s.vr_rows : T - s.n_qv) * D;
+  }
+  // Token T's value is full precision (in the residual, and in the sequence).
+  static KIVI_DEVICE bool value_is_full(const Sequence& s, int T) { return T >= s.n_qv && T < s.n_tok; }
+
   // Unit u holds no full-precision key or value: every unit of a sequence but its last two or three.
   static KIVI_DEVICE bool plain(const Sequence& s, int u) { return (u + 1) * kUnitTokens <= min(s.n_qk, s.n_qv); }
 
@@ -301,8 +309,7 @@ struct Decode {
     const int end = min(kUnitTokens * (u + 1), s.n_tok);
 #pragma unroll 1
     for (int T = kUnitTokens * u + lane; T < end; T += 32) {
-      const uint16_t* key = s.kr + int64_t(T - s.n_qk) * D;
-      const uint16_t* value = s.vr + int64_t(s.ring ? T % s.vr_rows : T - s.n_qv) * D;
+      const uint16_t *key = full_key(s, T), *value = full_value(s, T);
 #pragma unroll
       for (int line = 0; line < D; line += 64) {  // 64 elements: a 128-byte line
         if (T >= s.n_qk) prefetch_line(key + line);
@@ -368,7 +375,7 @@ struct Decode {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int T = token(group, first + j, g + 8 * r);
-            const uint16_t* row = s.kr + int64_t(T - s.n_qk) * D + 4 * t;
+            const uint16_t* row = full_key(s, T) + 4 * t;
 #pragma unroll
             for (int k = 0; k < kSteps; ++k) x[j][r][k] = T < s.n_tok ? load<uint2>(row + 16 * k) : uint2{0, 0};
           }
@@ -414,8 +421,8 @@ struct Decode {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int T = value_token(group, jj, t, e);
-      const bool full = T >= s.n_qv && T < s.n_tok;
-      const uint16_t* v = s.vr + int64_t(s.ring ? T % s.vr_rows : T - s.n_qv) * D + 4 * g + kGroup * first;
+      const bool full = value_is_full(s, T);
+      const uint16_t* v = full_value(s, T) + 4 * g + kGroup * first;
 #pragma unroll
       for (int c = 0; c < n; ++c) rows.x[e][c] = full ? load<uint2>(v + kGroup * c) : uint2{0, 0};
     }
@@ -469,7 +476,7 @@ struct Decode {
       tok[e] = value_token(group, jj, t, e);
       row[e] = base + 4 * value_token(0, jj, 0, e);
       quant[e] = kPlain || tok[e] < s.n_qv;
-      full[e] = !quant[e] && tok[e] < s.n_tok;
+      full[e] = value_is_full(s, tok[e]);
     }
     if (kPlain || warp_any(quant[0] || quant[1] || quant[2] || quant[3])) {
       // Quantized tokens (the others read as zero codes, scales and zeros): per value group, p * s as the right
@@ -516,9 +523,21 @@ struct Decode {
     }
   }
 
-  // cap * tanh(x / cap) in log2 units (soft-capping).
+  // cap * tanh(x / cap) in log2 units (soft-capping). The reciprocal approximate: an IEEE division's slow path
+  // (a call) and the branch around it made the capped logits four branches a group, capped or not.
   static KIVI_DEVICE float soft_cap(float x, float cap) {
-    return cap - 2.f * cap / (1.f + fast_exp2(x * (2.f * 1.4426950408889634f / cap)));
+    return cap - 2.f * cap * fast_rcp(1.f + fast_exp2(x * (2.f * 1.4426950408889634f / cap)));
+  }
+
+  // f(logit, jj, r) for each of a group's logits (group_logits' out).
+  template <class F>
+  static KIVI_DEVICE void for_logits(float (&x)[2][NT][2], F&& f) {
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) f(x[jj][nt][r], jj, r);
   }
 
   // Unit u (its quantized data staged in st) into the warp's online softmax m, l and accumulators o, a key group
@@ -580,18 +599,13 @@ struct Decode {
     if constexpr (!kPlain && kValuesAhead)
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) load_value_rows(s, group, jj, g, t, 0, ahead[jj]);
-    const bool capped = a.cap > 0.f;
-#pragma unroll
-    for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float& y = x[jj][nt][r];
-          y *= a.qk_scale;
-          if (capped) y = soft_cap(y, a.cap);
-          if (!kPlain && token(kUnitGroups * u + i, jj, g + 8 * r) >= s.n_tok) y = -INFINITY;
-        }
+    // Scaled, capped (one branch a group: the launch's cap) and masked past the sequence.
+    for_logits(x, [&](float& y, int, int) { y *= a.qk_scale; });
+    if (a.cap > 0.f) for_logits(x, [&](float& y, int, int) { y = soft_cap(y, a.cap); });
+    if constexpr (!kPlain)
+      for_logits(x, [&](float& y, int jj, int r) {
+        if (token(group, jj, g + 8 * r) >= s.n_tok) y = -INFINITY;
+      });
     float top[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)

@@ -63,6 +63,12 @@ KIVI_DEVICE float fast_exp2(float x) {
   return y;
 }
 
+KIVI_DEVICE float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 KIVI_DEVICE float fast_log2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
