@@ -18,6 +18,7 @@ from transformers import MistralConfig
 from kivi import backend
 from kivi.config import KiviConfig
 from kivi.kernels import cuda_decode
+from kivi.quant import Quantized
 from kivi.slot_cache import SlotCache
 from tools.decode_precision import variant_errors
 from tools.kernel_data import REAL_KV, fill_streams, outlier_kv, reference_decode, relative_error
@@ -25,13 +26,15 @@ from tools.kernel_data import REAL_KV, fill_streams, outlier_kv, reference_decod
 TOLERANCE = 1e-3  # relative error of the float32 output vs the float32 oracle, as for the Triton kernel
 
 
-def emulated(query, key_stream, value_stream, config, num_splits, out_dtype=torch.float32, softcap=None, warps=4):
-    """The kernel over two KVStreams (as backend.decode_attention hands them over), output poisoned first."""
+def emulated(query, key_stream, value_stream, config, num_splits, out_dtype=torch.float32, softcap=None, warps=4,
+             value_buffers=None):
+    """The kernel over two KVStreams (as backend.decode_attention hands them over), output poisoned first;
+    ``value_buffers``: in place of the value stream's own."""
     after_sink = [q + r for q, r in zip(key_stream.n_quant, key_stream.n_resid)]
     counts = torch.tensor([key_stream.n_sink, key_stream.n_quant, value_stream.n_quant, after_sink], dtype=torch.int32)
     out = torch.full(query.shape, float("nan"), dtype=out_dtype)
-    cuda_decode.decode_attention(query, key_stream.buffers, value_stream.buffers, counts, config, query.shape[-1] ** -0.5,
-                                 num_splits, out, softcap=softcap, emulate=True, warps=warps)
+    cuda_decode.decode_attention(query, key_stream.buffers, value_buffers or value_stream.buffers, counts, config,
+                                 query.shape[-1] ** -0.5, num_splits, out, softcap=softcap, emulate=True, warps=warps)
     assert not out.isnan().any(), f"{out.isnan().sum().item()} output elements left unwritten"
     return out
 
@@ -61,6 +64,18 @@ LENGTHS = [331, 5, 200]
 def test_the_cuda_kernel_matches_the_oracle(heads, config, num_splits):
     query, ks, vs = random_case(HEADS[heads], LENGTHS, CONFIGS[config], seed=len(heads) + len(config))
     out = emulated(query, ks, vs, CONFIGS[config], num_splits)
+    assert relative_error(out, reference_decode(query, ks, vs, query.shape[-1] ** -0.5)) <= TOLERANCE
+
+
+def test_value_buffers_of_an_odd_row_count_are_read_where_their_scales_lie_off_16_byte_alignment():
+    """Value buffers as a cache of 895 quantized values holds them, 895 rows: every other (sequence, head)'s scales
+    and zeros start 8 bytes past a 16-byte boundary, and its units stage them in 8-byte pieces (16-byte copies
+    would fault; the emulation stops on a misaligned copy)."""
+    query, ks, vs = random_case(HEADS["MHA 2/2x128"], [1024, 900, 1000], CONFIGS["kivi-2"], seed=7)
+    rows = max(vs.n_quant)
+    assert rows % 2 == 1
+    trimmed = vs.buffers._replace(packed=Quantized(*(x[:, :, :rows].contiguous() for x in vs.buffers.packed)))
+    out = emulated(query, ks, vs, CONFIGS["kivi-2"], num_splits=1, value_buffers=trimmed)
     assert relative_error(out, reference_decode(query, ks, vs, query.shape[-1] ** -0.5)) <= TOLERANCE
 
 
