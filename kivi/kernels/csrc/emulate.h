@@ -19,6 +19,7 @@ using std::max;
 using std::min;
 
 #define KIVI_DEVICE inline
+#define KIVI_HOST_DEVICE
 #define __global__
 #define __shared__ static
 #define __launch_bounds__(...)

@@ -153,7 +153,7 @@ struct Decode {
   // Row of a unit's token T in its stage's value codes, scales and zeros: a group's 32 rows transposed as 8 x 4. A
   // value product's four lanes t read tokens kGroup i + 8 t + c (token): rows 8 t apart (of 8 words, at 2 bits)
   // would share one bank, rows kGroup i + 4 c + t take four, and a lane's rows of a group lie at fixed distances.
-  static KIVI_DEVICE int value_row(int T) { return T / kGroup * kGroup + 4 * (T % 8) + T / 8 % 4; }
+  static KIVI_HOST_DEVICE constexpr int value_row(int T) { return T / kGroup * kGroup + 4 * (T % 8) + T / 8 % 4; }
 
   // Byte `byte` of x in the low half, of y in the high half (each duplicated in its half's upper byte). Masked to
   // one code, a pair is an operand register: the code stays where it lies in its byte, at bit BITS * pos, and
@@ -239,35 +239,54 @@ struct Decode {
   // pieces of 8 bytes: a sequence's rows of them start at 8 * vc_rows bytes (head_dim 128), 16-byte aligned only
   // for even vc_rows (a cache of 895 quantized values holds 895 rows).
   static KIVI_DEVICE void stage_plain(const Sequence& s, int u, Stage& st, int lane) {
-    copy_run<sizeof(st.kc), 16>(st.kc, s.kc + int64_t(kUnitGroups * kRowsPerGroup * u) * D, lane);
-    copy_run<sizeof(st.ks), 16>(st.ks, s.ks + int64_t(kUnitGroups * u) * D, lane);
-    copy_run<sizeof(st.kz), 16>(st.kz, s.kz + int64_t(kUnitGroups * u) * D, lane);
-    copy_run<sizeof(st.vc), 16, kValueWords * 4>(st.vc, s.vc + int64_t(kUnitTokens * u) * kValueWords, lane);
-    copy_run<sizeof(st.vs), 8, kValueGroups * 2>(st.vs, s.vs + int64_t(kUnitTokens * u) * kValueGroups, lane);
-    copy_run<sizeof(st.vz), 8, kValueGroups * 2>(st.vz, s.vz + int64_t(kUnitTokens * u) * kValueGroups, lane);
+    copy_run<sizeof(st.kc), 16>(st.kc, s.kc, u, lane);
+    copy_run<sizeof(st.ks), 16>(st.ks, s.ks, u, lane);
+    copy_run<sizeof(st.kz), 16>(st.kz, s.kz, u, lane);
+    copy_run<sizeof(st.vc), 16, kValueWords * 4>(st.vc, s.vc, u, lane);
+    copy_run<sizeof(st.vs), 8, kValueGroups * 2>(st.vs, s.vs, u, lane);
+    copy_run<sizeof(st.vz), 8, kValueGroups * 2>(st.vz, s.vz, u, lane);
   }
 
-  // kRowBytes: the run is a unit's value rows of that size, each copied to its value_row; 0: copied as it lies.
+  // Unit u's run of kBytes (its stage's share, as laid out in global memory from `run`): kRowBytes, a unit's value
+  // rows of that size, each copied to its value_row; 0, copied as it lies. A lane's pieces lie at fixed distances
+  // from its first in both places, so each copy is the lane's two addresses plus constants: computed piece by piece
+  // from element indices, the addresses took 137 instructions a plain unit (2-bit MHA), now 70.
   template <int kBytes, int kPiece, int kRowBytes = 0>
-  static KIVI_DEVICE void copy_run(void* to, const void* from, int lane) {
+  static KIVI_DEVICE void copy_run(void* to, const void* run, int u, int lane) {
     static_assert(kBytes % (32 * kPiece) == 0, "whole pieces for every lane");
+    static_assert(fixed_distances<kBytes, kPiece, kRowBytes>(), "a lane's pieces at fixed distances in the stage");
+    char* shared = static_cast<char*>(to) + stage_offset<kRowBytes>(kPiece * lane);
+    const char* global = static_cast<const char*>(run) + int64_t(u) * kBytes + kPiece * lane;
 #pragma unroll
     for (int k = 0; k < kBytes / (32 * kPiece); ++k) {
-      const int at = kPiece * (32 * k + lane);
-      int place = at;
-      if constexpr (kRowBytes > 0) place = value_offset<kRowBytes>(at);
-      char* shared = static_cast<char*>(to) + place;
+      char* to_k = shared + stage_offset<kRowBytes>(32 * kPiece * k);
       if constexpr (kPiece == 16)
-        copy16(shared, static_cast<const char*>(from) + at, 16);
+        copy16(to_k, global + 32 * kPiece * k, 16);
       else
-        copy8(shared, static_cast<const char*>(from) + at);
+        copy8(to_k, global + 32 * kPiece * k);
     }
   }
 
-  // Where byte `at` of a unit's value rows of kRowBytes lies in its stage (value_row).
+  // Where byte `at` of a run lies in its stage: in a unit's value rows of kRowBytes, at its value_row; else (0) as
+  // it lies.
   template <int kRowBytes>
-  static KIVI_DEVICE int value_offset(int at) {
-    return value_row(at / kRowBytes) * kRowBytes + at % kRowBytes;
+  static KIVI_HOST_DEVICE constexpr int stage_offset(int at) {
+    if constexpr (kRowBytes == 0)
+      return at;
+    else
+      return value_row(at / kRowBytes) * kRowBytes + at % kRowBytes;
+  }
+
+  // Whether every lane's k-th piece of a run lies at its first plus the k-th piece of lane 0, in the stage as in
+  // global memory.
+  template <int kBytes, int kPiece, int kRowBytes>
+  static KIVI_HOST_DEVICE constexpr bool fixed_distances() {
+    for (int lane = 0; lane < 32; ++lane)
+      for (int k = 0; k < kBytes / (32 * kPiece); ++k)
+        if (stage_offset<kRowBytes>(kPiece * (32 * k + lane)) !=
+            stage_offset<kRowBytes>(kPiece * lane) + stage_offset<kRowBytes>(32 * kPiece * k))
+          return false;
+    return true;
   }
 
   // A unit with full-precision rows: the key groups that are quantized, the values of tokens below n_qv (codes in
@@ -291,13 +310,13 @@ struct Decode {
     const int64_t words = int64_t(first) * kValueWords, words_end = int64_t(s.vc_rows) * kValueWords;
     for (int c = lane; c < kUnitTokens * kValueWords / 4; c += 32) {
       const bool quantized = first + 4 * c / kValueWords < s.n_qv;
-      copy16(reinterpret_cast<char*>(st.vc) + value_offset<kValueWords * 4>(16 * c), s.vc + (quantized ? words + 4 * c : 0),
+      copy16(reinterpret_cast<char*>(st.vc) + stage_offset<kValueWords * 4>(16 * c), s.vc + (quantized ? words + 4 * c : 0),
              quantized ? piece(words + 4 * c, words_end, 4) : 0);
     }
     const int64_t stats = int64_t(first) * kValueGroups;
     for (int c = lane; c < kUnitTokens * kValueGroups / 4; c += 32) {  // pieces of 8 bytes (see stage_plain)
       if (first + 4 * c / kValueGroups >= s.n_qv) continue;  // not read: the values' selects skip those tokens
-      const int at = value_offset<kValueGroups * 2>(8 * c);
+      const int at = stage_offset<kValueGroups * 2>(8 * c);
       copy8(reinterpret_cast<char*>(st.vs) + at, s.vs + stats + 4 * c);
       copy8(reinterpret_cast<char*>(st.vz) + at, s.vz + stats + 4 * c);
     }
@@ -356,7 +375,7 @@ struct Decode {
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        const float zero_term = -shfl(zero[nt][1], 4 * i + t);  // q . z of the group, from row i of `zero`
+        const float zero_term = shfl(zero[nt][1], 4 * i + t);  // q . z of the group, from row i of `zero`
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {  // each row's scale undoes its codes' place and the subnormal's 2^-24
           out[jj][nt][0] = (acc[jj][nt][0] + acc[jj][nt][1]) * key_scale(jj, 0) + zero_term;
@@ -571,9 +590,9 @@ struct Decode {
   }
 
   // Adds the zero terms q . z of the unit's key groups to `zero`, one product per column tile: the zero points of
-  // group g % 2 in row g (exact fp16, no parts), against q * lo, -q in the lo columns and 0 in the hi ones; so
-  // zero[nt][1] of the lanes of row i is minus group i's term for head 4 nt + t (rows past the unit's groups repeat
-  // them, unread).
+  // group g % 2 in row g (exact fp16, no parts) against q as it is (both parts' columns hold it: no product per
+  // unit); so zero[nt][1] of the lanes of row i is group i's term for head 4 nt + t (rows past the unit's groups
+  // repeat them, unread).
   static KIVI_DEVICE void zero_terms(const Stage& st, const Query& q, int g, int t, float (&zero)[NT][4]) {
     const uint16_t* z = st.kz + (g % kUnitGroups) * D + 4 * t;
 #pragma unroll
@@ -581,10 +600,7 @@ struct Decode {
       const uint2 x = load<uint2>(z + 16 * k);
       const uint32_t a[4] = {x.x, 0u, x.y, 0u};  // rows g + 8: nothing
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const uint32_t qn[2] = {hmul2(q.q[nt][k][0], q.lo), hmul2(q.q[nt][k][1], q.lo)};
-        mma_16816(zero[nt], a, qn);
-      }
+      for (int nt = 0; nt < NT; ++nt) mma_16816(zero[nt], a, q.q[nt][k]);
     }
   }
 

@@ -10,6 +10,7 @@
 #else
 
 #define KIVI_DEVICE __device__ __forceinline__
+#define KIVI_HOST_DEVICE __host__ __device__
 
 KIVI_DEVICE uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
   uint32_t d;
