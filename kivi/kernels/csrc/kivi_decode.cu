@@ -672,18 +672,6 @@ struct Decode {
     }
   }
 
-  // A warp takes a split's units at places w, w + W, ..., each place's unit itself, but at its last place (one of
-  // the split's last W): where the units leave the last round short (count % W warps take one unit more) and every
-  // warp takes two or more, the last W places take a rotation of their units, so that the split's last units (a
-  // sequence's tail, its full-precision tokens: the slowest) fall to the warps that take one unit fewer, and the
-  // block does not wait on warps of two plain units and the tail. Never a warp's first unit: a tail there has no
-  // unit before it to hide its loads (7a7d363 tried that: -15% at Qwen2.5-1.5B's B=256). Returns the unit of
-  // warp `warp`'s last place, from the split's first.
-  static KIVI_DEVICE int last_unit(int warp, int count) {
-    const int short_by = count % W, rotated = count - W, place = rotated + (warp - rotated % W + W) % W;
-    return short_by == 0 || count < 2 * W ? place : rotated + (place - rotated + short_by) % W;
-  }
-
   static KIVI_DEVICE void run(const Args& a) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
     const int bh = blockIdx.x, split = blockIdx.y;
@@ -735,19 +723,15 @@ struct Decode {
 
     const int units = (s.n_tok + kUnitGroups * kGroup - 1) / (kUnitGroups * kGroup);
     const int per_split = (units + a.splits - 1) / a.splits;
-    const int begin = split * per_split, first = begin + warp, last = min(begin + per_split, units);
-    const int final_unit = begin + last_unit(warp, last - begin);  // the unit of the warp's last place
-    // The unit of place `at` of the warp: itself but at the warp's last place.
-    const auto unit_at = [&](int at) { return at + W < last ? at : final_unit; };
+    const int first = split * per_split + warp, last = min(split * per_split + per_split, units);
     copy_commit();
-    if (first < last && !(early && unit_at(first) == warp && plain(s, warp))) {
+    if (first < last && !(early && plain(s, first))) {  // first == warp where early
       copy_wait<0>();  // the early copies land before the stage is written again
-      stage(s, unit_at(first), stages[0], lane);
+      stage(s, first, stages[0], lane);
     }
     copy_commit();
-    for (int at = first, n = 0; at < last; at += W, ++n) {
-      const int u = unit_at(at);
-      if (at + W < last) stage(s, unit_at(at + W), stages[(n + 1) & 1], lane);
+    for (int u = first, n = 0; u < last; u += W, ++n) {
+      if (u + W < last) stage(s, u + W, stages[(n + 1) & 1], lane);
       copy_commit();
       copy_wait<1>();  // unit u's copies have landed (the next unit's may still be in flight)
       sync_warp();
