@@ -74,7 +74,7 @@ constexpr int kMaxWarps = 8;
 // The most dynamic shared memory any device gives a block (compute capability 9.0): no kernel beyond it is built;
 // kivi/kernels/cuda_decode.py checks the device's own limit.
 constexpr int kSharedLimit = 227 * 1024;
-constexpr int kUnitGroups = 2;   // key groups a warp takes at a time (one softmax update)
+constexpr int kUnitGroups = 2;   // key groups a warp takes at a time (one softmax update where plain)
 constexpr uint32_t kMinusOne = 0xBC00BC00u;  // -1, -1 as fp16
 // The largest factor 2^bits the probabilities take (Softmax): 2^15 and p * s of fp16 scales below 1 stay in fp16.
 constexpr int kMaxProbabilityBits = 15;
@@ -559,18 +559,67 @@ struct Decode {
         for (int r = 0; r < 2; ++r) f(x[jj][nt][r], jj, r);
   }
 
-  // Unit u (its quantized data staged in st) into the warp's online softmax m, l and accumulators o, a key group
-  // at a time: the loop stays rolled, so the code a warp runs per group is half a unit's (it was fetched from
-  // further than the instruction cache). kPlain: every key and value of the unit is quantized (so every token is in
-  // the sequence): the common case, with no test per token and no full-precision path in its code.
+  // A key group's logits: x[jj][nt][r] for rows g (r = 0) and g + 8 (r = 1) of product jj, head 4 nt + t.
+  struct Logits {
+    float x[2][NT][2];
+  };
+  // A key group's probabilities, the values' operand (group_values' p): p[jj][nt] the fp16 pair of rows g and g + 8
+  // of product jj, head 4 nt + t.
+  struct Probabilities {
+    uint32_t p[2][NT];
+  };
+
+  // Unit u (its quantized data staged in st) into the warp's online softmax m, l and accumulators o. kPlain: every
+  // key and value of the unit is quantized (so every token is in the sequence): the common case, with no test per
+  // token and no full-precision path in its code, and one softmax update for both key groups (their logits, the
+  // update, their values), not one a group: a unit's maximum, rescaling and sums once, not twice (Qwen2.5-1.5B's
+  // shape at B = 256 18% faster on the H100, BENCHMARKS.md). A unit with full-precision rows (the last two or three
+  // of a sequence) goes a key group at a time: its full-precision values, loaded ahead of the softmax, overlap it,
+  // and the registers of a second group's logits would spill its two-tile head_dim-256 kernels. Both loops over the
+  // groups stay rolled, so the code a warp runs is a group's products, not a unit's (a unit unrolled was fetched
+  // from further than the instruction cache): a group's logits and probabilities move along as the next group's
+  // are made.
   template <bool kPlain>
   static KIVI_DEVICE void unit(const Args& a, const Sequence& s, const Stage& st, const Query& q,
                                int u, int g, int t, Softmax& sm, Output& acc) {
+    static_assert(kUnitGroups == 2, "a unit's key groups: the first and the last");
     float zero[NT][4] = {};
     zero_terms(st, q, g, t, zero);
     const int bits = min(sm.bits, probability_bits<kPlain>(s, st, u, 4 * g + t));
+    if constexpr (kPlain) {
+      Logits first, last;
 #pragma unroll 1
-    for (int i = 0; i < kUnitGroups; ++i) group<kPlain>(a, s, st, q, zero, u, i, g, t, bits, sm, acc);
+      for (int i = 0; i < kUnitGroups; ++i) {
+        first = last;
+        group_logits<true>(s, st, q, zero, u, i, g, t, last.x);
+      }
+      Probabilities p_first, p_last;
+      update<true, 2>(a, s, kUnitGroups * u, g, t, bits, {&first, &last}, {&p_first, &p_last}, sm, acc);
+      ValueRows<kValueGroups> no_rows;  // not read: a plain unit has no full-precision values
+#pragma unroll 1
+      for (int i = 0; i < kUnitGroups; ++i) {
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj)
+          group_values<true>(s, st, p_first.p[jj], u, kUnitGroups * u + i, jj, g, t, no_rows, acc);
+        p_first = p_last;
+      }
+    } else {
+#pragma unroll 1
+      for (int i = 0; i < kUnitGroups; ++i) {
+        const int group = kUnitGroups * u + i;
+        Logits x;
+        group_logits<false>(s, st, q, zero, u, i, g, t, x.x);
+        ValueRows<kValueGroups> ahead[2];  // kValuesAhead: both key products' full-precision values
+        if constexpr (kValuesAhead)
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) load_value_rows(s, group, jj, g, t, 0, ahead[jj]);
+        Probabilities p;
+        update<false, 1>(a, s, group, g, t, bits, {&x}, {&p}, sm, acc);
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj)
+          group_values<false>(s, st, p.p[jj], u, group, jj, g, t, ahead[jj], acc);
+      }
+    }
   }
 
   // The largest factor 2^bits (Softmax) for which p * s < 2^15 for every scale of unit u's quantized values: a
@@ -604,28 +653,32 @@ struct Decode {
     }
   }
 
-  template <bool kPlain>
-  static KIVI_DEVICE void group(const Args& a, const Sequence& s, const Stage& st, const Query& q,
-                                const float (&zero)[NT][4], int u, int i, int g, int t, int bits, Softmax& sm,
-                                Output& acc) {
-    float x[2][NT][2];
-    group_logits<kPlain>(s, st, q, zero, u, i, g, t, x);
-    const int group = kUnitGroups * u + i;
-    ValueRows<kValueGroups> ahead[2];  // kValuesAhead: both key products' full-precision values
-    if constexpr (!kPlain && kValuesAhead)
+  // One softmax update over the raw logits of N key groups, groups first .. first + N - 1 (group_logits' out, scaled
+  // in place): scaled, capped (one branch: the launch's cap) and masked past the sequence; the running maximum, sum
+  // and accumulators moved to the new maximum; each group's probabilities into p.
+  template <bool kPlain, int N>
+  static KIVI_DEVICE void update(const Args& a, const Sequence& s, int first, int g, int t, int bits,
+                                 Logits* const (&x)[N], Probabilities* const (&p)[N], Softmax& sm, Output& acc) {
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj) load_value_rows(s, group, jj, g, t, 0, ahead[jj]);
-    // Scaled, capped (one branch a group: the launch's cap) and masked past the sequence.
-    for_logits(x, [&](float& y, int, int) { y *= a.qk_scale; });
-    if (a.cap > 0.f) for_logits(x, [&](float& y, int, int) { y = soft_cap(y, a.cap); });
-    if constexpr (!kPlain)
-      for_logits(x, [&](float& y, int jj, int r) {
-        if (token(group, jj, g + 8 * r) >= s.n_tok) y = -INFINITY;
-      });
+    for (int i = 0; i < N; ++i) {
+      for_logits(x[i]->x, [&](float& y, int, int) { y *= a.qk_scale; });
+      if (a.cap > 0.f) for_logits(x[i]->x, [&](float& y, int, int) { y = soft_cap(y, a.cap); });
+      if constexpr (!kPlain)
+        for_logits(x[i]->x, [&](float& y, int jj, int r) {
+          if (token(first + i, jj, g + 8 * r) >= s.n_tok) y = -INFINITY;
+        });
+    }
+    const auto group_top = [&](int i, int nt) {
+      const float(&y)[2][NT][2] = x[i]->x;
+      return fmaxf(fmaxf(y[0][nt][0], y[0][nt][1]), fmaxf(y[1][nt][0], y[1][nt][1]));
+    };
     float top[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-      top[nt] = fmaxf(fmaxf(x[0][nt][0], x[0][nt][1]), fmaxf(x[1][nt][0], x[1][nt][1]));
+    for (int nt = 0; nt < NT; ++nt) {
+      top[nt] = group_top(0, nt);
+#pragma unroll
+      for (int i = 1; i < N; ++i) top[nt] = fmaxf(top[nt], group_top(i, nt));
+    }
     float alpha[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -659,17 +712,16 @@ struct Decode {
       }
     }
 #pragma unroll
-    for (int jj = 0; jj < 2; ++jj) {
-      uint32_t p[NT];
+    for (int i = 0; i < N; ++i)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const float base = sm.m[nt] - float(bits);
-        const float p0 = fast_exp2(x[jj][nt][0] - base), p1 = fast_exp2(x[jj][nt][1] - base);
-        sm.l[nt] += p0 + p1;
-        p[nt] = pack_half2(p0, p1);
-      }
-      group_values<kPlain>(s, st, p, u, group, jj, g, t, ahead[jj], acc);
-    }
+      for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float base = sm.m[nt] - float(bits);
+          const float p0 = fast_exp2(x[i]->x[jj][nt][0] - base), p1 = fast_exp2(x[i]->x[jj][nt][1] - base);
+          sm.l[nt] += p0 + p1;
+          p[i]->p[jj][nt] = pack_half2(p0, p1);
+        }
   }
 
   static KIVI_DEVICE void run(const Args& a) {
