@@ -9,7 +9,7 @@ median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``) over input 
 4x the L2 cache: GPU time as the decode engine's captured step sees it, without the host's launch overhead
 (which bounds small cases launched eagerly). Effective bandwidth = bytes that must be read and written / time,
 as % of a device-to-device copy measured in the same run. ``--sweep`` times the CUDA kernel at each split count
-and block size (4 and 8 warps) instead.
+and block size (``cuda_decode.WARPS``: 2, 4 and 8 warps) instead.
 """
 
 from __future__ import annotations

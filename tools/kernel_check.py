@@ -95,23 +95,25 @@ def check_decode_random(rows: list[dict], gen: torch.Generator) -> None:
         ks, vs = fill_streams(keys, values, lengths, configs["kivi-2"])
         decode_rows(rows, f"{shape} fp16 kivi-2 L={lengths}", query, ks, vs)
         decode_rows(rows, f"{shape} fp16 kivi-2 soft-capped at 8", query, ks, vs, softcap=8.0)
-    check_eight_warps(rows, gen)
+    check_block_sizes(rows, gen)
 
 
-def check_eight_warps(rows: list[dict], gen: torch.Generator) -> None:
-    """The CUDA kernel's blocks of eight warps, every layout that takes them, where each warp has two units or more
-    (the backend chooses them for few blocks of such sequences: Qwen2.5-1.5B's shape at 64 slots)."""
-    lengths = [1024, 1000, 1290, 800] * 16  # B = 64
-    for (q_heads, kv_heads, dim), shape in (((12, 2, 128), "GQA 12/2x128"), ((32, 32, 128), "MHA 32x128"),
-                                            ((4, 1, 256), "MQA 4/1x256")):
-        keys, values = outlier_kv(len(lengths), kv_heads, max(lengths), dim, torch.float16, "cuda", gen)
-        query = torch.randn(len(lengths), q_heads, 1, dim, generator=gen, device="cuda").half()
-        for name in ("kivi-2", "kivi-4"):
-            config = KiviConfig.from_name(name)
-            if not cuda_decode.fits(config, tuple(query.shape), kv_heads, query.device, warps=8):
-                continue
-            ks, vs = fill_streams(keys, values, lengths, config)
-            decode_rows(rows, f"{shape} fp16 {name} B=64 L~1K 8 warps", query, ks, vs, warps=8, num_splits=1)
+def check_block_sizes(rows: list[dict], gen: torch.Generator) -> None:
+    """The CUDA kernel's blocks of two and of eight warps (four: every other row), every layout that takes them, at
+    sequences of two units a warp or more (eight warps: the backend's choice for few blocks of such sequences,
+    Qwen2.5-1.5B's shape at 64 slots) and of a few units a block (two warps: short contexts of many sequences)."""
+    for warps, lengths in ((8, [1024, 1000, 1290, 800] * 16), (2, [330, 64, 200, 97] * 16)):  # B = 64
+        for (q_heads, kv_heads, dim), shape in (((12, 2, 128), "GQA 12/2x128"), ((32, 32, 128), "MHA 32x128"),
+                                                ((4, 1, 256), "MQA 4/1x256")):
+            keys, values = outlier_kv(len(lengths), kv_heads, max(lengths), dim, torch.float16, "cuda", gen)
+            query = torch.randn(len(lengths), q_heads, 1, dim, generator=gen, device="cuda").half()
+            for name in ("kivi-2", "kivi-4"):
+                config = KiviConfig.from_name(name)
+                if not cuda_decode.fits(config, tuple(query.shape), kv_heads, query.device, warps=warps):
+                    continue
+                ks, vs = fill_streams(keys, values, lengths, config)
+                decode_rows(rows, f"{shape} fp16 {name} B=64 L~{max(lengths)} {warps} warps", query, ks, vs,
+                            warps=warps, num_splits=1)
 
 
 def check_slot_steps(rows: list[dict], gen: torch.Generator) -> None:

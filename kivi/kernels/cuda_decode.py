@@ -33,7 +33,8 @@ from kivi.quant import StreamBuffers
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
 UNIT_TOKENS = 64  # tokens a warp takes at a time (csrc/kivi_decode.cu)
-WARPS = (4, 8)  # warps per block it takes: 4 for every layout, 8 where the device's shared memory holds their stages
+# Warps per block the kernel takes: 2 and 4 for every layout, 8 where the device's shared memory holds their stages.
+WARPS = (2, 4, 8)
 MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with fp32 accumulators
 
 
@@ -194,7 +195,9 @@ def default_warps(batch: int, kv_heads: int, splits: int, max_tokens: int, confi
     at 4 warps, one warp per scheduler, a latency chain with nothing to hide it, Nsight Compute at Qwen2.5-1.5B's
     shape, B = 64, S = 1,024), each split holds a unit per warp and the block fits; else 4 (a second block of 8
     warps does not fit beside the first: more blocks than multiprocessors ran slower at 8 than at 4 in every case
-    of the H200 sweep, ``tools.kernel_bench --sweep``)."""
+    of the H200 sweep, ``tools.kernel_bench --sweep``). Blocks of 2 warps are not chosen yet: on the H100 they ran
+    Qwen2.5-1.5B's shape at B = 256 13-19% faster than 4 and every MHA case slower, and their outputs have not yet
+    been checked on a GPU (``tools.kernel_check``; BENCHMARKS.md, 2026-12-07)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     units_per_split = -(-max_tokens // UNIT_TOKENS) / splits
     if batch * kv_heads * splits <= sms and units_per_split >= 8 and fits(config, query_shape, kv_heads, device, 8):

@@ -3,7 +3,7 @@
 // softmax over quantized and full-precision tokens. The GPU fast path of kivi/kernels/cuda_decode.py; the Triton
 // kernel of kivi/kernels/decode_attention.py computes the same function and serves every case this one refuses.
 //
-// Work: a block of W warps (4, or 8 where shared memory holds their stages: short contexts of few sequences)
+// Work: a block of W warps (2 or 4, or 8 where shared memory holds their stages: short contexts of few sequences)
 // per (sequence, KV head, split); each warp takes units of 2 key groups (64 tokens) in turn, keeps its own online
 // softmax, and the block merges its warps at the end (splits > 1: partial results and log-sum-exps, merged by
 // kivi.kernels._triton.merge_splits).
@@ -68,7 +68,7 @@ struct Args {
 namespace {
 
 constexpr int kGroup = 32;       // tokens of a key group, channels of a value group
-// Warps per block: 4 (every layout) or 8. 16 would cap a thread at 128 registers: the 2-bit head_dim 128 kernel of
+// Warps per block: 2 or 4 (every layout) or 8. 16 would cap a thread at 128 registers: the 2-bit head_dim 128 kernel of
 // two column tiles spilled there.
 constexpr int kMaxWarps = 8;
 // The most dynamic shared memory any device gives a block (compute capability 9.0): no kernel beyond it is built;
@@ -880,8 +880,8 @@ int launch(Decode<BITS, D, NT, W>, const Args& a, void* stream) {
 #endif
 }
 
-// The largest warps per block (4, 8) whose stages fit in a block's shared memory; instantiated up to it only.
-template <int BITS, int D, int NT, int W = 4>
+// The largest warps per block (2, 4, 8) whose stages fit in a block's shared memory; instantiated up to it only.
+template <int BITS, int D, int NT, int W = 2>
 constexpr int max_warps() {
   if constexpr (2 * W > kMaxWarps)
     return W;
@@ -892,7 +892,7 @@ constexpr int max_warps() {
 }
 
 // f(Decode<BITS, D, NT, W>{}) for the kernel of `warps` warps per block; -1 where none is built.
-template <int BITS, int D, int NT, int W = 4, class F>
+template <int BITS, int D, int NT, int W = 2, class F>
 int with_warps(int warps, F&& f) {
   if constexpr (W < max_warps<BITS, D, NT>())
     if (warps > W) return with_warps<BITS, D, NT, 2 * W>(warps, f);
