@@ -9,7 +9,7 @@ median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``) over input 
 4x the L2 cache: GPU time as the decode engine's captured step sees it, without the host's launch overhead
 (which bounds small cases launched eagerly). Effective bandwidth = bytes that must be read and written / time,
 as % of a device-to-device copy measured in the same run. ``--sweep`` times the CUDA kernel at each split count
-and block size (``cuda_decode.WARPS``: 2, 4 and 8 warps) instead.
+and block size (``cuda_decode.WARPS``: 2, 4 and 8 warps) instead, at ``SWEEP``'s sizes or ``--only``'s.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from kivi.quant import Quantized, StreamBuffers, allocate
 from tools.bandwidth import copy_bandwidth
 from tools.trees import git_sha
 
-SHAPES = {"llama2-7b": (32, 32, 128), "gqa-32/8": (32, 8, 128), "qwen2.5-1.5b": (12, 2, 128)}  # query, KV heads, head_dim
+SHAPES = {"llama2-7b": (32, 32, 128), "gqa-32/8": (32, 8, 128), "qwen2.5-1.5b": (12, 2, 128),  # query, KV heads, head_dim
+          "qwen2.5-7b": (28, 4, 128)}
 BATCHES = (1, 8, 32)
 CONTEXTS = (4096, 16384, 32768, 131072)
 # Short contexts at large batches: the nightly model's shape on GSM8K-length sequences, and the ShareGPT sweep's
@@ -208,12 +209,12 @@ SWEEP = (("llama2-7b", 8, 32768), ("gqa-32/8", 8, 32768), ("llama2-7b", 512, 640
 SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 17, 24, 33)
 
 
-def sweep(gen: torch.Generator) -> list[dict]:
-    """CUDA KIVI-2 time per split count and block size at the regimes of the targets (and the defaults' choice); the
-    log gets every row, the screen the best per size."""
+def sweep(gen: torch.Generator, cases: list[tuple[str, int, int]]) -> list[dict]:
+    """CUDA KIVI-2 time per split count and block size at ``cases`` (and the defaults' choice); the log gets every
+    row, the screen the best per size."""
     rows = []
     config = kivi_config(2)
-    for case in (DecodeCase(*c) for c in SWEEP):
+    for case in (DecodeCase(*c) for c in cases):
         query, keys, values = decode_inputs(case, gen)
         sdpa_ms, _ = time_sdpa(query, keys, values)
         default, default_warps = cuda_decode.default_launch(case.batch, case.heads[1], case.tokens, config,
@@ -243,21 +244,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="kernels_bench.json")
     parser.add_argument("--sweep", action="store_true", help="time the CUDA kernel at each split count and block size at a few sizes instead")
-    parser.add_argument("--only", metavar="SHAPE:B:S[,...]", help="time these decode cases, e.g. llama2-7b:8:32768")
+    parser.add_argument("--only", metavar="SHAPE:B:S[,...]", help="time (or sweep) these decode cases, e.g. llama2-7b:8:32768")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "git": git_sha(),
             "torch": torch.__version__, "triton": triton.__version__, "group_size": GROUP, "residual_length": RESIDUAL}
     copy_bw = copy_bandwidth()
     meta["copy_GBps"] = copy_bw / 1e9
+    only = args.only and [(shape, int(batch), int(tokens)) for shape, batch, tokens in (c.split(":") for c in args.only.split(","))]
     if args.sweep:
         with open(args.json, "w") as f:
-            json.dump({**meta, "sweep": sweep(gen)}, f, indent=1)
+            json.dump({**meta, "sweep": sweep(gen, only or SWEEP)}, f, indent=1)
         return
     rows = []
-    cases = [*itertools.product(("llama2-7b", "gqa-32/8"), BATCHES, CONTEXTS), *SHORT]
-    if args.only:
-        cases = [(shape, int(batch), int(tokens)) for shape, batch, tokens in (c.split(":") for c in args.only.split(","))]
+    cases = only or [*itertools.product(("llama2-7b", "gqa-32/8"), BATCHES, CONTEXTS), *SHORT]
     for shape, batch, tokens in cases:
         case = DecodeCase(shape, batch, tokens)
         if fits(case):
