@@ -193,31 +193,34 @@ def default_warps(batch: int, kv_heads: int, splits: int, max_tokens: int, confi
                   query_shape: tuple[int, ...], device: torch.device) -> int:
     """Warps per block for ``splits`` splits: 8 where the blocks are no more than the multiprocessors (one block each:
     at 4 warps, one warp per scheduler, a latency chain with nothing to hide it, Nsight Compute at Qwen2.5-1.5B's
-    shape, B = 64, S = 1,024), each split holds a unit per warp and the block fits; else 4 (a second block of 8
-    warps does not fit beside the first: more blocks than multiprocessors ran slower at 8 than at 4 in every case
-    of the H200 sweep, ``tools.kernel_bench --sweep``). Blocks of 2 warps are not chosen yet: on the H100 they ran
-    Qwen2.5-1.5B's shape at B = 256 13-19% faster than 4 and every MHA case slower, and their outputs have not yet
-    been checked on a GPU (``tools.kernel_check``; BENCHMARKS.md, 2026-12-07)."""
+    shape, B = 64, S = 1,024), each split holds a unit per warp and the block fits; 2 for layouts of more than 4
+    query heads per KV head (two column tiles) at more than two blocks per multiprocessor; else 4 (a second block
+    of 8 warps does not fit beside the first: more blocks than multiprocessors ran slower at 8 than at 4 in every
+    case of the H200 sweep). ``tools.kernel_bench --sweep`` on the H100 at 2c28ce7 (BENCHMARKS.md, 2026-12-07):
+    at 12 / 2 and 28 / 4 heads, S = 1,024, 2 warps ran 11-19% faster than 4 from 512 blocks (B = 256 and 512 of
+    Qwen2.5-1.5B's shape, 256 of Qwen2.5-7B's) and 16-20% slower at 256 (B = 128; 64 of Qwen2.5-7B's); MHA and
+    32 / 8 heads ran slower at 2 in every case measured."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    units_per_split = -(-max_tokens // UNIT_TOKENS) / splits
-    if batch * kv_heads * splits <= sms and units_per_split >= 8 and fits(config, query_shape, kv_heads, device, 8):
+    blocks, units_per_split = batch * kv_heads * splits, -(-max_tokens // UNIT_TOKENS) / splits
+    if blocks <= sms and units_per_split >= 8 and fits(config, query_shape, kv_heads, device, 8):
         return 8
-    return 4
+    return 2 if query_shape[1] // kv_heads > 4 and blocks > 2 * sms else 4
 
 
 def default_launch(batch: int, kv_heads: int, max_tokens: int, config: KiviConfig, query_shape: tuple[int, ...],
                    device: torch.device) -> tuple[int, int]:
     """(splits, warps per block): blocks of 8 warps where splitting for one block per multiprocessor and 4 units per
-    warp needs no more blocks than multiprocessors, else ``default_num_splits`` with 4. Measured on the H200 at
-    5d38c0c (ms, 4 / 8 warps): Qwen2.5-1.5B's shape at S = 1,024, B = 64 at 1 split 0.0192 / 0.0181, B = 32 at
-    2 splits 0.0170 / 0.0161 (the best of 1-4 splits), at S = 2,048, B = 64 at 1 split 0.0275 / 0.0249 (2 splits
-    of 4 warps: 0.0264); B = 256 at 1 split 0.0495 / 0.0668."""
+    warp needs no more blocks than multiprocessors, else ``default_num_splits`` with ``default_warps``' block.
+    Measured on the H200 at 5d38c0c (ms, 4 / 8 warps): Qwen2.5-1.5B's shape at S = 1,024, B = 64 at 1 split 0.0192 /
+    0.0181, B = 32 at 2 splits 0.0170 / 0.0161 (the best of 1-4 splits), at S = 2,048, B = 64 at 1 split 0.0275 /
+    0.0249 (2 splits of 4 warps: 0.0264); B = 256 at 1 split 0.0495 / 0.0668."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     pairs, units = batch * kv_heads, -(-max_tokens // UNIT_TOKENS)
     splits = max(1, sms // pairs, units // 32)  # 32: 4 units for each of 8 warps
     if default_warps(batch, kv_heads, splits, max_tokens, config, query_shape, device) == 8:
         return splits, 8
-    return default_num_splits(batch, kv_heads, max_tokens, device), 4
+    splits = default_num_splits(batch, kv_heads, max_tokens, device)
+    return splits, default_warps(batch, kv_heads, splits, max_tokens, config, query_shape, device)
 
 
 def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, counts: torch.Tensor,

@@ -20,6 +20,7 @@ from kivi.config import KiviConfig
 from kivi.kernels import cuda_decode
 from kivi.quant import Quantized
 from kivi.slot_cache import SlotCache
+from tools import kernel_bench
 from tools.decode_precision import variant_errors
 from tools.kernel_data import REAL_KV, fill_streams, outlier_kv, reference_decode, relative_error
 
@@ -109,13 +110,15 @@ def h200(monkeypatch, shared_per_sm: int = 228 * 1024) -> SimpleNamespace:
 
 def test_eight_warps_serve_blocks_no_more_than_the_multiprocessors_where_the_device_holds_them(monkeypatch):
     """Eight warps per block where the blocks fit one per multiprocessor with a unit per warp, and the block fits
-    the device's shared memory: the H200's 228 KB, compute capability 8.6's 100 KB (4-bit head_dim 256: no)."""
+    the device's shared memory: the H200's 228 KB, compute capability 8.6's 100 KB (4-bit head_dim 256: no); two
+    for more than 4 query heads per KV head at more than two blocks per multiprocessor."""
     props = h200(monkeypatch)
     cuda, kivi2, kivi4, qwen = torch.device("cuda"), CONFIGS["kivi-2"], CONFIGS["kivi-4"], (1, 12, 1, 128)
     assert cuda_decode.default_warps(64, 2, 1, 1024, kivi2, qwen, cuda) == 8
     assert cuda_decode.default_warps(64, 2, 2, 1024, kivi2, qwen, cuda) == 4  # 256 blocks
-    assert cuda_decode.default_warps(256, 2, 1, 1024, kivi2, qwen, cuda) == 4
-    assert cuda_decode.default_warps(64, 2, 3, 1024, kivi2, qwen, cuda) == 4
+    assert cuda_decode.default_warps(64, 2, 3, 1024, kivi2, qwen, cuda) == 2  # 384 blocks
+    assert cuda_decode.default_warps(256, 2, 1, 1024, kivi2, qwen, cuda) == 2
+    assert cuda_decode.default_warps(256, 8, 1, 1024, kivi2, (1, 32, 1, 128), cuda) == 4  # 4 query heads per KV head
     assert cuda_decode.default_warps(2, 2, 33, 1024, kivi2, qwen, cuda) == 4  # under one unit per warp
     assert cuda_decode.default_warps(64, 1, 1, 1024, kivi4, (1, 4, 1, 256), cuda) == 4  # 8 warps do not fit
     assert cuda_decode.fits(kivi4, (1, 4, 1, 256), 1, cuda)
@@ -124,19 +127,42 @@ def test_eight_warps_serve_blocks_no_more_than_the_multiprocessors_where_the_dev
     assert cuda_decode.fits(kivi2, qwen, 2, cuda, warps=8)  # 96 KB
 
 
-WARPS_SWEEP = Path(__file__).resolve().parents[2] / "benchmarks" / "2026-12-03-cuda-decode-warps-sweep.json"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def test_the_default_launch_is_the_best_the_h200_sweep_of_splits_and_block_sizes_measured(monkeypatch):
-    """default_launch against the committed sweep (tools.kernel_bench --sweep at 5d38c0c, Qwen2.5-1.5B's shape,
-    1-4 splits x 4 and 8 warps): its choice ran fastest at each size."""
+def sweep_rows(name: str) -> dict[tuple[str, int, int], dict[tuple[int, int], float]]:
+    """A committed ``tools.kernel_bench --sweep``: {(shape, batch, tokens): {(splits, warps): ms}}."""
+    sizes = {}
+    for r in json.loads((BENCHMARKS / name).read_text())["sweep"]:
+        sizes.setdefault((r["shape"], r["batch"], r["tokens"]), {})[r["splits"], r["warps"]] = r["cuda2_ms"]
+    return sizes
+
+
+def launch(shape: str, batch: int, tokens: int) -> tuple[int, int]:
+    q_heads, kv_heads, dim = kernel_bench.SHAPES[shape]
+    return cuda_decode.default_launch(batch, kv_heads, tokens, CONFIGS["kivi-2"], (batch, q_heads, 1, dim),
+                                      torch.device("cuda"))
+
+
+def test_the_default_split_count_is_the_best_the_h200_sweep_of_splits_and_block_sizes_measured(monkeypatch):
+    """default_launch against the H200 sweep at 5d38c0c (Qwen2.5-1.5B's shape, 1-4 splits x 4 and 8 warps): its
+    split count, and 8 warps or not, are those of the fastest launch at each size."""
     h200(monkeypatch)
-    rows = json.loads(WARPS_SWEEP.read_text())["sweep"]
-    for size in {(r["batch"], r["tokens"]) for r in rows}:
-        timed = {(r["splits"], r["warps"]): r["cuda2_ms"] for r in rows if (r["batch"], r["tokens"]) == size}
-        batch, tokens = size
-        chosen = cuda_decode.default_launch(batch, 2, tokens, CONFIGS["kivi-2"], (batch, 12, 1, 128), torch.device("cuda"))
-        assert timed[chosen] == min(timed.values()), (size, chosen, timed)
+    for (shape, batch, tokens), timed in sweep_rows("2026-12-03-cuda-decode-warps-sweep.json").items():
+        splits, warps = launch(shape, batch, tokens)
+        best = min(timed, key=timed.get)
+        assert (splits, warps == 8) == (best[0], best[1] == 8), ((batch, tokens), (splits, warps), timed)
+
+
+def test_the_default_block_size_is_the_fastest_the_sweep_of_2_4_and_8_warps_measured_at_its_split_count(monkeypatch):
+    """default_launch against the H100 sweep at 2c28ce7 (GQA layouts of 12 / 2, 28 / 4 and 32 / 8 heads, 64-512
+    sequences of 384-4,096 tokens; both GPUs have 132 multiprocessors): at the split count it takes, its block size
+    ran within 1% of the fastest of 2, 4 and 8 warps."""
+    h200(monkeypatch)
+    for size, timed in sweep_rows("2026-12-07-cuda-decode-warps-sweep-h100.json").items():
+        splits, warps = launch(*size)
+        fastest = min(ms for (s, _), ms in timed.items() if s == splits)
+        assert timed[splits, warps] <= 1.01 * fastest, (size, (splits, warps), timed)
 
 
 def test_the_cuda_kernel_soft_caps_and_rounds_to_fp16():
