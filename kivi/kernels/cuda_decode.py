@@ -197,9 +197,9 @@ def default_warps(batch: int, kv_heads: int, splits: int, max_tokens: int, confi
     query heads per KV head (two column tiles) at more than two blocks per multiprocessor; else 4 (a second block
     of 8 warps does not fit beside the first: more blocks than multiprocessors ran slower at 8 than at 4 in every
     case of the H200 sweep). ``tools.kernel_bench --sweep`` on the H100 at 2c28ce7 (BENCHMARKS.md, 2026-12-07):
-    at 12 / 2 and 28 / 4 heads, S = 1,024, 2 warps ran 11-19% faster than 4 from 512 blocks (B = 256 and 512 of
-    Qwen2.5-1.5B's shape, 256 of Qwen2.5-7B's) and 16-20% slower at 256 (B = 128; 64 of Qwen2.5-7B's); MHA and
-    32 / 8 heads ran slower at 2 in every case measured."""
+    at 12 / 2 and 28 / 4 heads, S = 384-1,024, 2 warps took 11-19% less time than 4 from 512 blocks (B = 256 and
+    512 of Qwen2.5-1.5B's shape, 256 of Qwen2.5-7B's) and 19-20% more at 256 (B = 128; 64 of Qwen2.5-7B's); MHA
+    and 32 / 8 heads ran slower at 2 in every case measured."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     blocks, units_per_split = batch * kv_heads * splits, -(-max_tokens // UNIT_TOKENS) / splits
     if blocks <= sms and units_per_split >= 8 and fits(config, query_shape, kv_heads, device, 8):
