@@ -189,13 +189,15 @@ def test_the_cuda_kernel_on_real_keys_and_values(config):
     assert relative_error(out, reference_decode(query, ks, vs, query.shape[-1] ** -0.5)) <= TOLERANCE
 
 
-def test_the_slot_cache_steps_on_the_cuda_kernel_as_on_the_oracle(monkeypatch):
-    """Decode steps of the engine's cache: the value window as a ring, the step's token stored, flushes between."""
+@pytest.mark.parametrize("warps", [2, 4])
+def test_the_slot_cache_steps_on_the_cuda_kernel_as_on_the_oracle(monkeypatch, warps):
+    """Decode steps of the engine's cache: the value window as a ring, the step's token stored, flushes between;
+    blocks of 4 warps, and of 2 (the default launch's for this layout at many slots)."""
     def on_the_cuda_kernel(query, keys, values, counts, config, scaling, max_tokens, out=None, v_ring=False,
                            softcap=None, num_splits=None, kernel="auto"):
         splits = cuda_decode.default_num_splits(query.shape[0], keys.resid.shape[1], max_tokens, query.device)
         return cuda_decode.decode_attention(query, keys, values, counts, config, scaling, splits, out, v_ring=v_ring,
-                                            softcap=softcap, emulate=True)
+                                            softcap=softcap, emulate=True, warps=warps)
 
     monkeypatch.setattr(backend, "decode", on_the_cuda_kernel)
     gen = torch.Generator().manual_seed(0)
