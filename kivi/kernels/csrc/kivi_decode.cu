@@ -57,7 +57,7 @@ struct Args {
   const uint16_t* vz;
   const uint16_t* vr;  // [B, Hkv, vr_rows, D] value residual: position n_qv + i at row i, or (ring) at row p % vr_rows
   const int32_t* counts;  // int32 [4, B]: sinks (0), quantized keys, quantized values, tokens
-  int batch, kv_heads, q_heads, splits, warps;  // warps per block: 4 or 8 (kivi_decode_shared_bytes)
+  int batch, kv_heads, q_heads, splits, warps;  // warps per block: 2, 4 or 8 (kivi_decode_shared_bytes)
   float qk_scale;  // softmax scale * log2(e)
   float cap;       // soft-capping threshold in log2 units; 0: none
   int64_t stride_qb, stride_qh, stride_ob, stride_oh;
