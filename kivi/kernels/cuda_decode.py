@@ -35,6 +35,7 @@ SOURCES = Path(__file__).resolve().parent / "csrc"
 UNIT_TOKENS = 64  # tokens a warp takes at a time (csrc/kivi_decode.cu)
 # Warps per block the kernel takes: 2 and 4 for every layout, 8 where the device's shared memory holds their stages.
 WARPS = (2, 4, 8)
+LONG_CHAIN_UNITS = 64  # units a warp takes in turn (4,096 tokens) beyond which splitting further pays (default_launch)
 MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with fp32 accumulators
 
 
@@ -209,18 +210,21 @@ def default_warps(batch: int, kv_heads: int, splits: int, max_tokens: int, confi
 
 def default_launch(batch: int, kv_heads: int, max_tokens: int, config: KiviConfig, query_shape: tuple[int, ...],
                    device: torch.device) -> tuple[int, int]:
-    """(splits, warps per block): blocks of 8 warps where splitting for one block per multiprocessor and 4 units per
-    warp needs no more blocks than multiprocessors, else ``default_num_splits`` with ``default_warps``' block.
-    Measured on the H200 at 5d38c0c (ms, 4 / 8 warps): Qwen2.5-1.5B's shape at S = 1,024, B = 64 at 1 split 0.0192 /
-    0.0181, B = 32 at 2 splits 0.0170 / 0.0161 (the best of 1-4 splits), at S = 2,048, B = 64 at 1 split 0.0275 /
-    0.0249 (2 splits of 4 warps: 0.0264); B = 256 at 1 split 0.0495 / 0.0668."""
+    """(splits, warps per block): a sequence split only as far as one block per multiprocessor needs (where the
+    sequences' KV heads leave some idle), with ``default_warps``' block; ``default_num_splits`` where that leaves a
+    warp a chain of more than ``LONG_CHAIN_UNITS`` units. ``tools.kernel_bench --sweep`` on the H100 at ad68753
+    (BENCHMARKS.md, "Split a sequence only to fill the GPU"): over 64-512 sequence heads of 2K-32K tokens, more
+    splits than that filled nothing and cost up to 29% (Qwen2.5-1.5B's shape at B = 128, S = 4,096: 1 split 55.4 us,
+    the 4 of the rule before 70.1; B = 64, S = 16,384: 1 split of 8 warps 99.3, the rule before's 9 splits 123.7);
+    at 64 units a warp more splits gained 1-3%, at 128 7% (Llama-2-7B's B = 8, S = 32K; H200, 45b4c7f)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    pairs, units = batch * kv_heads, -(-max_tokens // UNIT_TOKENS)
-    splits = max(1, sms // pairs, units // 32)  # 32: 4 units for each of 8 warps
-    if default_warps(batch, kv_heads, splits, max_tokens, config, query_shape, device) == 8:
-        return splits, 8
-    splits = default_num_splits(batch, kv_heads, max_tokens, device)
-    return splits, default_warps(batch, kv_heads, splits, max_tokens, config, query_shape, device)
+    units = -(-max_tokens // UNIT_TOKENS)
+    splits = max(1, sms // (batch * kv_heads))
+    warps = default_warps(batch, kv_heads, splits, max_tokens, config, query_shape, device)
+    if units > LONG_CHAIN_UNITS * splits * warps:
+        splits = default_num_splits(batch, kv_heads, max_tokens, device)
+        warps = default_warps(batch, kv_heads, splits, max_tokens, config, query_shape, device)
+    return splits, warps
 
 
 def decode_attention(query: torch.Tensor, keys: StreamBuffers, values: StreamBuffers, counts: torch.Tensor,

@@ -165,6 +165,18 @@ def test_the_default_block_size_is_the_fastest_the_sweep_of_2_4_and_8_warps_meas
         assert timed[splits, warps] <= 1.01 * fastest, (size, (splits, warps), timed)
 
 
+def test_the_default_launch_splits_only_to_fill_the_gpu_as_the_sweep_over_lengths_measured(monkeypatch):
+    """default_launch against the H100 sweep over lengths at ad68753 (64-512 sequence heads of 12 / 2, 32 / 32 and
+    32 / 8 heads, 2K-32K tokens; 1-17 splits x 2, 4 and 8 warps): the fastest launch up to 8,192 tokens, within 3% of
+    it at every size (where a warp's chain passes 64 units the longer rule splits further)."""
+    h200(monkeypatch)
+    for size, timed in sweep_rows("2026-12-07-cuda-decode-split-lengths-h100.json").items():
+        chosen, fastest = timed[launch(*size)], min(timed.values())
+        assert chosen <= 1.03 * fastest, (size, launch(*size), timed)
+        if size[2] <= 8192:
+            assert chosen == fastest, (size, launch(*size), timed)
+
+
 def test_the_cuda_kernel_soft_caps_and_rounds_to_fp16():
     config = KiviConfig(residual_length=32)
     query, ks, vs = random_case(HEADS["GQA 12/2x128 (Qwen2.5-1.5B)"], [97, 260], config, seed=3)
