@@ -209,9 +209,10 @@ SWEEP = (("llama2-7b", 8, 32768), ("gqa-32/8", 8, 32768), ("llama2-7b", 512, 640
 SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 17, 24, 33)
 
 
-def sweep(gen: torch.Generator, cases: list[tuple[str, int, int]]) -> list[dict]:
+def sweep(gen: torch.Generator, cases: list[tuple[str, int, int]], save) -> list[dict]:
     """CUDA KIVI-2 time per split count and block size at ``cases`` (and the defaults' choice); the log gets every
-    row, the screen the best per size."""
+    row, the screen the best per size; ``save(rows)`` after each size, so that a run cut at a time limit keeps what
+    it timed."""
     rows = []
     config = kivi_config(2)
     for case in (DecodeCase(*c) for c in cases):
@@ -235,6 +236,7 @@ def sweep(gen: torch.Generator, cases: list[tuple[str, int, int]]) -> list[dict]
               f"warps={default_warps} {mine['cuda2_ms']:.4f} ms (x{sdpa_ms / mine['cuda2_ms']:.2f}), sdpa {sdpa_ms:.4f} ms",
               flush=True)
         rows += timed
+        save(rows)
         del query, keys, values
         torch.cuda.empty_cache()
     return rows
@@ -253,8 +255,11 @@ def main() -> None:
     meta["copy_GBps"] = copy_bw / 1e9
     only = args.only and [(shape, int(batch), int(tokens)) for shape, batch, tokens in (c.split(":") for c in args.only.split(","))]
     if args.sweep:
-        with open(args.json, "w") as f:
-            json.dump({**meta, "sweep": sweep(gen, only or SWEEP)}, f, indent=1)
+        def save(rows: list[dict]) -> None:
+            with open(args.json, "w") as f:
+                json.dump({**meta, "sweep": rows}, f, indent=1)
+
+        sweep(gen, only or SWEEP, save)
         return
     rows = []
     cases = only or [*itertools.product(("llama2-7b", "gqa-32/8"), BATCHES, CONTEXTS), *SHORT]
