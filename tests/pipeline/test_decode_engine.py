@@ -92,3 +92,21 @@ def test_on_smollm2_engine_gives_generates_64_tokens(smollm2, data_dir, kivi):
     essay = sorted((data_dir / "niah" / "PaulGrahamEssays").glob("*.txt"))[0].read_text()
     text = tokenizer(essay, add_special_tokens=False).input_ids
     assert_engine_matches_generate(model, [text[:150], text[:40], text[:300]], 64, kivi)
+
+
+def test_compiled_prefill_gives_the_eager_tokens_with_one_graph_for_every_micro_batch():
+    """On CUDA the prompts' forward is compiled with dynamic shapes; here on the CPU, against the same prefill eager:
+    micro-batches of three shapes and a long prompt's two chunks, under KIVI (whose slots quantize what the prefill
+    stored), through no more graphs than the two paths and a chunk's cache need."""
+    model = tiny(LlamaForCausalLM, LlamaConfig, 4, 2, 64)
+    gen = torch.Generator().manual_seed(5)
+    # micro-batches of 64 tokens: [5, 6, 9, 12], [20, 25], [30, 31], then 100 in chunks of 64 and 36
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (20, 5, 100, 31, 6, 9, 25, 12, 30)]
+    kivi = KiviConfig(residual_length=32)
+    eager = DecodeEngine(model, prefill_tokens=64, compile_prefill=False).run(prompts, 8, kivi).tokens
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = DecodeEngine(model, prefill_tokens=64, compile_prefill=True).run(prompts, 8, kivi).tokens
+    assert torch.equal(compiled, eager)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= 3, f"{graphs} graphs for 5 forwards of 4 shapes: shapes are not dynamic"
