@@ -6,13 +6,13 @@ end; then prompt length, so that sequences admitted together have prompts of sim
 
 1. admission: once enough slots are free (``refill`` of them, or any when nothing decodes), each takes the next
    waiting sequence, and every admitted prompt runs through the stock model (exact attention, as KIVI
-   prescribes; compiled on CUDA, one graph for micro-batches of every shape) before decoding goes on:
+   prescribes; compiled where ``compile_prefill`` asks) before decoding goes on:
    right-padded micro-batches of similar lengths and at most ``prefill_tokens`` tokens, one after the other, a
-   prompt longer than that in chunks of that size over a DynamicCache of its own. Waiting for several free slots makes the micro-batches large enough to run at the
-   model's speed; a slot freed one at a time would be refilled with a micro-batch of one prompt. The keys and
-   values of each finished prompt are stored into its slot (quantized there under KIVI) and its first token
-   chosen from the model's own logits (greedy, or drawn with its ``Sampling``: pipeline.sampling, the same in every
-   decode step); one host copy for all of them.
+   prompt longer than that in chunks of that size over a DynamicCache of its own. Waiting for several free slots
+   makes the micro-batches large enough to run at the model's speed; a slot freed one at a time would be refilled
+   with a micro-batch of one prompt. The keys and values of each finished prompt are stored into its slot
+   (quantized there under KIVI) and its first token chosen from the model's own logits (greedy, or drawn with its
+   ``Sampling``: pipeline.sampling, the same in every decode step); one host copy for all of them.
 2. decode: segments of at most ``sync_every`` steps (``pipeline.decode_step``: the model's own forward,
    replayed from one CUDA graph on CUDA; every slot steps, an idle one in place), each step's tokens kept on the
    device; a segment never runs a sequence past its own ``max_new_tokens``.
@@ -89,29 +89,31 @@ class DecodeRun:
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _prompt_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache, keep: int | torch.Tensor) -> torch.Tensor:
+def _prompt_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache,
+                   keep: int | torch.Tensor) -> torch.Tensor:
     """The model's own forward over prompt tokens into ``kv``: logits at ``keep`` (transformers' logits_to_keep)."""
     return model(input_ids=ids, past_key_values=kv, use_cache=True, logits_to_keep=keep).logits
 
 
-# Eager, the stock forward spends two fifths of a ShareGPT prefill between its matmuls (rotary's concatenations and
-# products on transposed views, norms, SiLU: BENCHMARKS.md); compiled, they fuse. Shapes dynamic: one graph serves
-# every micro-batch (rows x width), one the chunks of a long prompt. One wrapper for every engine, so that a second
-# engine on the same model reuses its graphs.
+# Eager, the stock forward spends two fifths of a ShareGPT prefill's GPU time between its matmuls (rotary's
+# concatenations and products on transposed views, norms, SiLU); compiled, they fuse, but the compile takes minutes
+# and its attention runs on a materialized causal mask (BENCHMARKS.md, "The prefill compiled: tried"): opt-in until
+# measured on whole loads. Shapes dynamic: one graph serves every micro-batch (rows x width), one the chunks of a long
+# prompt. One wrapper for every engine, so that a second engine on the same model reuses its graphs.
 _compiled_prompt_logits = torch.compile(_prompt_logits, dynamic=True)
 
 
 class DecodeEngine:
     def __init__(self, model: PreTrainedModel, prefill_tokens: int = 8192, cuda_graph: bool = True,
                  compile_steps: bool | None = None, sync_every: int = 16, decode: Callable[[list[int]], str] | None = None,
-                 refill: float = 1 / 4, use_kernels: bool | None = None, compile_prefill: bool | None = None):
+                 refill: float = 1 / 4, use_kernels: bool | None = None, compile_prefill: bool = False):
         """``decode`` (token ids -> text) is needed for stop strings; ``sync_every`` bounds the steps between two
         looks at the tokens (EOS and stop strings are found that late, length limits exactly); ``refill``: the
         fraction of the slots that must be free before waiting sequences are admitted while others decode (1/4:
         the measured best of 1/8 and 1/4 on a nightly-like load, BENCHMARKS.md "Prefill inside the schedule");
         ``use_kernels`` (default: on CUDA) False: the slot cache on the kivi/ oracle (no CUDA graph, and steps not
         compiled: it reads counts on the host), the reference the engine's kernels are checked against;
-        ``compile_prefill`` (default: on CUDA) compiles the prompts' forward."""
+        ``compile_prefill`` compiles the prompts' forward (see _compiled_prompt_logits)."""
         # Prefill through the "kivi" attention: exact, and soft-capped where the model asks (SDPA has no soft-capping).
         self.model, self.decode_step = enable_kivi(model), DecodeStep(model, compile_steps)
         if use_kernels is False and self.decode_step.compiled:
@@ -119,7 +121,6 @@ class DecodeEngine:
         self.prefill_tokens, self.cuda_graph, self.sync_every, self.decode = prefill_tokens, cuda_graph, sync_every, decode
         self.refill, self.use_kernels = refill, use_kernels
         self.device, self.dtype = model.device, model.dtype
-        compile_prefill = self.device.type == "cuda" if compile_prefill is None else compile_prefill
         self.prompt_logits = _compiled_prompt_logits if compile_prefill else _prompt_logits
 
     def run(self, prompts: list[list[int]], new_tokens: int, kivi: KiviConfig | None) -> DecodeRun:

@@ -95,9 +95,9 @@ def test_on_smollm2_engine_gives_generates_64_tokens(smollm2, data_dir, kivi):
 
 
 def test_compiled_prefill_gives_the_eager_tokens_with_one_graph_for_every_micro_batch():
-    """On CUDA the prompts' forward is compiled with dynamic shapes; here on the CPU, against the same prefill eager:
-    micro-batches of three shapes and a long prompt's two chunks, under KIVI (whose slots quantize what the prefill
-    stored), through no more graphs than the two paths and a chunk's cache need."""
+    """compile_prefill compiles the prompts' forward with dynamic shapes; on the CPU, against the same prefill
+    eager: micro-batches of three shapes and a long prompt's two chunks, under KIVI (whose slots quantize what the
+    prefill stored), through no more graphs than the two paths and a chunk's cache need."""
     model = tiny(LlamaForCausalLM, LlamaConfig, 4, 2, 64)
     gen = torch.Generator().manual_seed(5)
     # micro-batches of 64 tokens: [5, 6, 9, 12], [20, 25], [30, 31], then 100 in chunks of 64 and 36
