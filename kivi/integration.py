@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from kivi.attention import exact_attention, unapplied_arguments
 from kivi.cache import KiviCache, KiviLayer
@@ -27,8 +27,25 @@ def kivi_attention_forward(module, query, key, value, attention_mask, scaling=No
     return exact_attention(module, query, key, value, attention_mask, scaling, softcap, dropout=dropout, **kwargs), None
 
 
+def kivi_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+              mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
+              local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs) -> torch.Tensor | None:
+    """transformers' SDPA mask, except that a plainly causal one over a whole unpadded sequence (no padding, no past,
+    no window, no other pattern) is left to SDPA's is_causal even when traced. Traced (torch.compile), transformers
+    always builds the mask, as a traced graph might later meet padding; here shapes alone decide, and the graph is
+    guarded on them. Without a mask, a compiled prefill runs the flash kernel, not the memory-efficient one over
+    a [B, 1, q, q] mask."""
+    if (allow_is_causal_skip and mask_function is causal_mask_function and attention_mask is None
+            and local_size is None and not isinstance(q_offset, torch.Tensor) and q_offset == 0 and kv_offset == 0
+            and kv_length == q_length):
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
 AttentionInterface.register(ATTENTION_NAME, kivi_attention_forward)
-AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+AttentionMaskInterface.register(ATTENTION_NAME, kivi_mask)
 
 
 def enable_kivi(model: PreTrainedModel) -> PreTrainedModel:

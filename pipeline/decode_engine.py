@@ -96,9 +96,9 @@ def _prompt_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache,
 
 
 # Eager, the stock forward spends two fifths of a ShareGPT prefill's GPU time between its matmuls (rotary's
-# concatenations and products on transposed views, norms, SiLU); compiled, they fuse, but the compile takes minutes
-# and its attention runs on a materialized causal mask (BENCHMARKS.md, "The prefill compiled: tried"): opt-in until
-# measured on whole loads. Shapes dynamic: one graph serves every micro-batch (rows x width), one the chunks of a long
+# concatenations and products on transposed views, norms, SiLU); compiled, they fuse, and attention stays on the flash
+# kernel (kivi.integration.kivi_mask), but the compile takes minutes (BENCHMARKS.md, "The prefill compiled: tried"):
+# opt-in until measured on whole loads. Shapes dynamic: one graph serves every micro-batch (rows x width), one the chunks of a long
 # prompt. One wrapper for every engine, so that a second engine on the same model reuses its graphs.
 _compiled_prompt_logits = torch.compile(_prompt_logits, dynamic=True)
 
