@@ -92,6 +92,22 @@ def test_the_engine_gives_generates_greedy_tokens_on_every_architecture(architec
         assert completion.tokens == reference(model, prompt, kivi), f"{name}, {cache}, prompt of {len(prompt)} tokens"
 
 
+def test_the_compiled_prefill_gives_the_eager_prefills_tokens_on_every_architecture(architecture):
+    """The prompts' forward compiled (dynamic shapes; transformers' masks traced, sliding windows among them) against
+    the same engine eager, under KIVI-2: a micro-batch, a prompt alone and one longer than a window in chunks."""
+    name, model = architecture
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, SHAPE["vocab_size"], (n,), generator=gen).tolist() for n in (*PROMPT_LENGTHS, 30)]
+    sequences = [Sequence(p, NEW_TOKENS) for p in prompts]
+    eager = DecodeEngine(model, prefill_tokens=24, compile_prefill=False).generate(sequences, CACHES["kivi-2"], slots=2)
+    torch._dynamo.reset()  # a graph per architecture: past the recompile limit, the wrapper would run eagerly
+    torch._dynamo.utils.counters.clear()
+    compiled = DecodeEngine(model, prefill_tokens=24, compile_prefill=True).generate(sequences, CACHES["kivi-2"], slots=2)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, f"{name}: nothing was compiled"
+    for prompt, a, b in zip(prompts, compiled.completions, eager.completions):
+        assert a.tokens == b.tokens, f"{name}, prompt of {len(prompt)} tokens"
+
+
 def test_a_sliding_layer_keeps_its_window_in_16_bits_and_counts_its_bytes():
     config = Gemma3TextConfig(**SHAPE | ARCHITECTURES["gemma3 (hybrid, one KV head)"][1])
     cache = SlotCache(config, batch=2, capacity=40, dtype=torch.float32, device="cpu", kivi=KiviConfig(group_size=16,
