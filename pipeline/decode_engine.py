@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
@@ -97,10 +98,18 @@ def _prompt_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache,
 
 # Eager, the stock forward spends two fifths of a ShareGPT prefill's GPU time between its matmuls (rotary's
 # concatenations and products on transposed views, norms, SiLU); compiled, they fuse, and attention stays on the flash
-# kernel (kivi.integration.kivi_mask), but the compile takes minutes (BENCHMARKS.md, "The prefill compiled: tried"):
-# opt-in until measured on whole loads. Shapes dynamic: one graph serves every micro-batch (rows x width), one the chunks of a long
+# kernel (kivi.integration.kivi_mask), but the compile takes a minute or more (BENCHMARKS.md, "The prefill compiled"):
+# opt-in. Shapes dynamic: one graph serves every micro-batch (rows x width x distinct ends), one the chunks of a long
 # prompt. One wrapper for every engine, so that a second engine on the same model reuses its graphs.
-_compiled_prompt_logits = torch.compile(_prompt_logits, dynamic=True)
+_compiled_forward = torch.compile(_prompt_logits, dynamic=True)
+
+
+def _compiled_prompt_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache,
+                            keep: int | torch.Tensor) -> torch.Tensor:
+    """_prompt_logits compiled, without duck sizing: a first micro-batch with as many distinct prompt ends as rows
+    would otherwise tie the two sizes in its graph, and the next micro-batch compile again (a minute on a 7B model)."""
+    with fx_config.patch(use_duck_shape=False):
+        return _compiled_forward(model, ids, kv, keep)
 
 
 class DecodeEngine:
@@ -243,6 +252,8 @@ class _Batch:
                 # padding's own outputs are never read: its keys and values are not loaded, its logits not kept.
                 # The logits at each prompt's last position: the columns the prompts end at, then each row's own.
                 ends, at = torch.unique(lengths - 1, return_inverse=True)
+                # Two columns at least: a compiled prefill specializes a size of 1 and would compile again.
+                ends = ends.repeat(2) if len(ends) == 1 else ends
                 logits = engine.prompt_logits(engine.model, to_device(ids, device), kv, to_device(ends, device))
                 logits = logits[torch.arange(len(prompts), device=device), to_device(at, device)]
         self.cache.load(slots, [(layer.keys, layer.values) for layer in kv.layers], lengths)
