@@ -99,7 +99,7 @@ def _prompt_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache,
 # Eager, the stock forward spends two fifths of a ShareGPT prefill's GPU time between its matmuls (rotary's
 # concatenations and products on transposed views, norms, SiLU); compiled, they fuse, and attention stays on the flash
 # kernel (kivi.integration.kivi_mask), but the compile takes a minute or more (BENCHMARKS.md, "The prefill compiled"):
-# opt-in. Shapes dynamic: one graph serves every micro-batch (rows x width x distinct ends), one the chunks of a long
+# opt-in (a run's model.compile_prefill). Shapes dynamic: one graph serves every micro-batch (rows x width x distinct ends), one the chunks of a long
 # prompt. One wrapper for every engine, so that a second engine on the same model reuses its graphs.
 _compiled_forward = torch.compile(_prompt_logits, dynamic=True)
 

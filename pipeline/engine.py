@@ -53,13 +53,14 @@ def fp16_bytes(model: PreTrainedModel, tokens: int) -> int:
 class Engine:
     """Owns the model (loaded once per worker) and runs requests under any cache configuration."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, compile_prefill: bool = False):
         self.model, self.tokenizer = enable_kivi(model), tokenizer
         self.device = model.device
         # A random-weight model may borrow a tokenizer with more ids than its vocabulary: every path folds
         # ids into it (what random weights write means nothing; the lengths, shapes and timings are real).
         self.vocab = model.config.get_text_config(decoder=True).vocab_size
-        self.decoder = None if unsupported(model) else DecodeEngine(model, decode=self._decode)
+        self.decoder = None if unsupported(model) else DecodeEngine(model, decode=self._decode,
+                                                                     compile_prefill=compile_prefill)
         self.warmed: set[str] = set()  # reprs of the caches the decoder has run once, untimed
         self.last_run: DecodeRun | None = None  # the decode engine's last generate call (timings, slots)
         self.logged: set[str] = set()  # caches whose fallback was logged

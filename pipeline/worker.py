@@ -69,7 +69,7 @@ class ModelWorker:
         # Its bar, forwarded by Ray line by line, would print a dozen lines per actor.
         hf_logging.disable_progress_bar()
         model, tokenizer = load_model(cfg.model.spec, self.device, cfg.model.dtype, tokenizer=cfg.model.tokenizer)
-        self.engine = Engine(model, tokenizer)
+        self.engine = Engine(model, tokenizer, cfg.model.compile_prefill)
         self.archive = ArchiveWriter(cfg.archive, ctx.run_id)
         self._prepare()
         self.load_s = time.perf_counter() - began

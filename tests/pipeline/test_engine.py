@@ -7,6 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kivi import KiviConfig
+from pipeline.config import load_config
+from pipeline.decode_engine import _compiled_prompt_logits, _prompt_logits
 from pipeline.engine import Engine, Generation
 from pipeline.models import load_tokenizer
 from pipeline.workloads import Request, TeacherForcing
@@ -35,6 +37,15 @@ def test_ids_past_the_vocabulary_fold_into_it_on_every_path():
     fidelity = Request("f", "fidelity", "fidelity", prompt * 8, 0, "{}", teacher_forcing=TeacherForcing(48, 16))
     stats = engine.teacher_forced(fidelity, KiviConfig(residual_length=32))
     assert stats["tokens"] == 48 and 0 <= stats["top1_agreement"] <= 1
+
+
+def test_the_prefill_is_compiled_where_the_config_asks(write_config, data_dir):
+    """model.compile_prefill (default off) reaches the decode engine, as a worker builds it."""
+    model, tokenizer = tiny_engine().model, load_tokenizer("smollm2-135m")
+    for fields, compiled in (({}, False), ({"compile_prefill": True}, True)):
+        path = write_config(model={"spec": "smollm2-135m", **fields}, data_dir=str(data_dir), workloads={"gsm8k": {"n": 2}})
+        engine = Engine(model, tokenizer, load_config(path).model.compile_prefill)
+        assert engine.decoder.prompt_logits is (_compiled_prompt_logits if compiled else _prompt_logits)
 
 
 def test_kv_bytes_are_counted_at_16_bits_so_fp16_compresses_1x_in_a_float32_model_too():
