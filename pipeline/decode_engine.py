@@ -99,15 +99,19 @@ def _prompt_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache,
 # Eager, the stock forward spends two fifths of a ShareGPT prefill's GPU time between its matmuls (rotary's
 # concatenations and products on transposed views, norms, SiLU); compiled, they fuse, and attention stays on the flash
 # kernel (kivi.integration.kivi_mask), but the compile takes a minute or more (BENCHMARKS.md, "The prefill compiled"):
-# opt-in (a run's model.compile_prefill). Shapes dynamic: one graph serves every micro-batch (rows x width x distinct ends), one the chunks of a long
-# prompt. One wrapper for every engine, so that a second engine on the same model reuses its graphs.
+# opt-in (a run's model.compile_prefill). Shapes dynamic: one graph serves every micro-batch (rows x width x distinct
+# ends), one the chunks of a long prompt. One wrapper for every engine, so that a second engine on the same model
+# reuses its graphs.
 _compiled_forward = torch.compile(_prompt_logits, dynamic=True)
 
 
 def _compiled_prompt_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache,
                             keep: int | torch.Tensor) -> torch.Tensor:
-    """_prompt_logits compiled, without duck sizing: a first micro-batch with as many distinct prompt ends as rows
-    would otherwise tie the two sizes in its graph, and the next micro-batch compile again (a minute on a 7B model)."""
+    """_prompt_logits compiled, in shapes that never compile a micro-batch again (a minute on a 7B model): at least
+    two logit columns (a size of 1 is specialized), and no duck sizing (a first micro-batch with as many distinct
+    prompt ends as rows would tie the two sizes). A repeated column is a copy of the one before it."""
+    if isinstance(keep, torch.Tensor) and len(keep) == 1:
+        keep = keep.repeat(2)
     with fx_config.patch(use_duck_shape=False):
         return _compiled_forward(model, ids, kv, keep)
 
@@ -252,8 +256,6 @@ class _Batch:
                 # padding's own outputs are never read: its keys and values are not loaded, its logits not kept.
                 # The logits at each prompt's last position: the columns the prompts end at, then each row's own.
                 ends, at = torch.unique(lengths - 1, return_inverse=True)
-                # Two columns at least: a compiled prefill specializes a size of 1 and would compile again.
-                ends = ends.repeat(2) if len(ends) == 1 else ends
                 logits = engine.prompt_logits(engine.model, to_device(ids, device), kv, to_device(ends, device))
                 logits = logits[torch.arange(len(prompts), device=device), to_device(at, device)]
         self.cache.load(slots, [(layer.keys, layer.values) for layer in kv.layers], lengths)

@@ -59,8 +59,8 @@ class Engine:
         # A random-weight model may borrow a tokenizer with more ids than its vocabulary: every path folds
         # ids into it (what random weights write means nothing; the lengths, shapes and timings are real).
         self.vocab = model.config.get_text_config(decoder=True).vocab_size
-        self.decoder = None if unsupported(model) else DecodeEngine(model, decode=self._decode,
-                                                                     compile_prefill=compile_prefill)
+        self.decoder = (None if unsupported(model)
+                        else DecodeEngine(model, decode=self._decode, compile_prefill=compile_prefill))
         self.warmed: set[str] = set()  # reprs of the caches the decoder has run once, untimed
         self.last_run: DecodeRun | None = None  # the decode engine's last generate call (timings, slots)
         self.logged: set[str] = set()  # caches whose fallback was logged
