@@ -30,6 +30,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.utils import CONFIG_NAME, cached_file
 
 from pipeline import gguf_rebuild, gguf_tokenizer
 from pipeline.errors import InputError
@@ -107,7 +108,9 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     else:
         with _explained_load_errors(spec):
             tokenizer = AutoTokenizer.from_pretrained(source)
-            _align_eos(tokenizer, AutoConfig.from_pretrained(source).eos_token_id)
+            # A tokenizer saved alone (tokenizer.save_pretrained) has no model config to align its EOS with.
+            if cached_file(source, CONFIG_NAME, _raise_exceptions_for_missing_entries=False):
+                _align_eos(tokenizer, AutoConfig.from_pretrained(source).eos_token_id)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and isinstance(backend.model, BPE):
         # The GGUF conversion asks for WordPiece's space clean-up, which transformers skips for BPE with a warning

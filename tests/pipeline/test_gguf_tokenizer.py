@@ -149,3 +149,12 @@ def test_a_bos_the_file_names_but_never_prepends_is_not_held_against_the_tokeniz
     assert not any("bos_token_id" in e for e in problems(tokenizer, unused)[0])
     used = dataclasses.replace(unused, add_bos_token=True)
     assert any(e.startswith("bos_token_id is 1 where the file names 0") for e in problems(tokenizer, used)[0])
+
+
+def test_a_tokenizer_saved_alone_loads_as_model_tokenizer_with_the_same_ids_and_eos(smollm2_gguf_tokenizer, tmp_path,
+                                                                                    real_text):
+    smollm2_gguf_tokenizer.save_pretrained(tmp_path)  # tokenizer.json and its config, no model config.json
+    assert not (tmp_path / "config.json").exists()
+    tokenizer = load_tokenizer(str(tmp_path))
+    assert tokenizer(real_text).input_ids == smollm2_gguf_tokenizer(real_text).input_ids
+    assert tokenizer.eos_token == smollm2_gguf_tokenizer.eos_token == "<|im_end|>"
