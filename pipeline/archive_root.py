@@ -62,8 +62,14 @@ class ArchiveRoot:
 
     def check(self) -> None:
         """Raise ArchiveLocationError unless the store answers and the root's bucket (where it has one) exists."""
-        if self.is_local:
-            return  # folders are created by the first write
+        if self.is_local:  # folders are created by the first write, under the nearest folder that exists
+            existing = self.base
+            while not os.path.exists(existing):
+                existing = os.path.dirname(existing)
+            if not os.path.isdir(existing):
+                raise ArchiveLocationError(f"archive {self.base}: {existing} is a file, not a folder; name a folder "
+                                           "(created at the first write) or a URI")
+            return
         bucket = self.base.split("/", 1)[0]
         if self._info(bucket).type == pafs.FileType.NotFound:
             raise ArchiveLocationError(f"archive {self.uri}: bucket {bucket!r} does not exist; create it (runs never "

@@ -10,7 +10,8 @@
     kivi-eval model-folder smollm2-135m           # a packaged model as a transformers folder (e.g. for lm-eval)
 
 Each command imports what it needs when it runs: the archive commands (gate, report, query, runs, history) start
-without torch, transformers or Ray, and `run` checks its config before it imports them.
+without torch, transformers or Ray, and `run` checks an evaluation config before it imports them (a generate
+config: before any weights load).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from kivi.config import did_you_mean, slot_unsupported
 from pipeline.archive_root import open_root
 from pipeline.errors import ConfigError, FieldProblems, read_yaml, validation_problem, validation_problems
 from pipeline.model_specs import RANDOM_PREFIX, check_model_spec
-from pipeline.names import CANARY, FP16, NIGHTLY, RunKind
+from pipeline.names import CANARY, FP16, NIGHTLY, RUN_KINDS, RunKind
 from pipeline.workloads import (
     DataSourceError,
     UnknownWorkloadError,
@@ -258,10 +258,15 @@ class RunConfig(_Section):
         return {name: get_workload(name, data_dir=self.data_dir, **opts) for name, opts in self.workloads.items()}
 
 
-def config_kind(path: str | os.PathLike[str]) -> Any:
-    """The kind a config file declares, read before it is validated as a run or as a generate config."""
+def config_kind(path: str | os.PathLike[str]) -> str | None:
+    """The kind a config file declares (None: not given), read before it is validated as a run or as a generate
+    config. A kind of neither is the one error: the kind picks the fields that the rest is checked against."""
     raw = read_yaml(Path(path), "config file", ConfigError)
-    return raw.get("kind") if isinstance(raw, dict) else None
+    kind = raw.get("kind") if isinstance(raw, dict) else None
+    if kind is not None and kind not in RUN_KINDS:
+        raise ConfigError(f"{path}: kind: {kind!r} is none of {', '.join(RUN_KINDS)}"
+                          f"{did_you_mean(str(kind), RUN_KINDS)}")
+    return kind
 
 
 def load_config(path: str | os.PathLike[str], **overrides: Any) -> RunConfig:

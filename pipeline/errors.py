@@ -51,6 +51,8 @@ def validation_problems(error: ValidationError,
     FieldProblems count one each, placed below the field."""
     out = []
     for problem in error.errors():
+        if problem["type"] == "default_factory_not_called":  # a default read from a field that failed: said there
+            continue
         where, message = describe(problem)
         inner = problem.get("ctx", {}).get("error")
         if isinstance(inner, FieldProblems):

@@ -11,6 +11,7 @@ starts with "missing" or "incomplete": the gate fails closed. Drops are in point
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -498,6 +499,15 @@ class MinExactMatch(PerCacheRule):
                        "this config runs workloads: gate the generate run with it (kivi-eval generate --gate)")
         return out
 
+    def _rows_to_pass(self) -> int | None:
+        """The fewest rows with which non-inferiority can pass (None: no number does): all identical, the exact
+        interval's low end is ((1 - confidence) / 2) ** (1 / n)."""
+        if self.min_fraction <= 0:
+            return 1
+        if self.min_fraction >= 1:
+            return None
+        return math.ceil(math.log((1 - self.confidence) / 2) / math.log(self.min_fraction))
+
     def _read(self, ctx: _Context) -> dict[str, dict[str, Any]]:
         return {r["cache"]: r for r in ctx.store.records("SELECT * FROM generation_agreement WHERE run_id = $1",
                                                          [ctx.run_id])}
@@ -516,6 +526,13 @@ class MinExactMatch(PerCacheRule):
         errors = f" ({row['cache_errors']} of them errors under {cache})" if row["cache_errors"] else ""
         detail = (f"{same} of {n} greedy rows identical to fp16{errors}: {same / n:.3f} [{self.confidence:.0%} CI "
                   f"{low:.3f}, {high:.3f}]; {self.test}: {'passes' if passed else 'fails'} {self.min_fraction:g}")
+        if not passed and self.test == "non_inferiority":
+            needed = self._rows_to_pass()
+            if needed is None:
+                detail += f"; no n passes: an interval of a finite n never lies at {self.min_fraction:g}"
+            elif n < needed:
+                detail += (f"; n = {n} is too small: the interval lies above {self.min_fraction:g} only from {needed} "
+                           "greedy rows, all identical")
         return self._verdict(cache, same / n, self.min_fraction, passed, detail, n=n, ci_low=low, ci_high=high)
 
 

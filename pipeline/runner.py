@@ -63,7 +63,7 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
     archive = ArchiveWriter(config.archive, run_id)
     manifest = archive.read_run()
     if manifest is not None:
-        check_resumable(run_id, manifest["config_yaml"], config_yaml, _RESUME_FIELDS)
+        check_resumable(run_id, config.archive, manifest["config_yaml"], config_yaml, _RESUME_FIELDS)
     fallbacks = check_model(config)  # before the first write: a cache the model cannot hold is a config error
     _check_sweeps(config, fallbacks)
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.spec)  # a bad spec fails before the first write
@@ -115,7 +115,8 @@ class ResumeError(InputError):
     """A run id resumed with a config whose requests or shards differ from those the run was started with."""
 
 
-def check_resumable(run_id: str, started_yaml: str | None, config_yaml: str, fields: tuple[str, ...]) -> None:
+def check_resumable(run_id: str, archive: str, started_yaml: str | None, config_yaml: str,
+                    fields: tuple[str, ...]) -> None:
     """Refuse a resume whose config differs from the one the run started with in any of ``fields`` (dotted)."""
     def field(config: dict, name: str):
         for key in name.split("."):
@@ -127,8 +128,8 @@ def check_resumable(run_id: str, started_yaml: str | None, config_yaml: str, fie
     if changed:
         raise ResumeError(
             f"run {run_id} was started with other {', '.join(changed)}: its files would not match this config's "
-            f"requests and shards; resume it with the config it ran (kivi-eval query \"SELECT config_yaml FROM runs "
-            f"WHERE run_id = '{run_id}'\") or start a new run id")
+            f"requests and shards; resume it with the config it ran (kivi-eval query --archive {archive} \"SELECT "
+            f"config_yaml FROM runs WHERE run_id = '{run_id}'\") or start a new run id")
 
 
 def _plan(config: RunConfig, archive: ArchiveWriter, summary: RunSummary, tokenizer, fallbacks: dict[str, str]):
@@ -335,9 +336,10 @@ def _on_ray(worker_cls: type, ctx: RunContext, section: RaySection, jobs: list[J
 
 def check_model(config) -> dict[str, str]:
     """Every cache of a run or generate config against the model, from its config alone (its modules on the meta
-    device), before any weights load: a KIVI cache the model cannot hold, or a context past the model's positions, is
-    a ConfigError naming the field. Returns the caches whose generations go through transformers.generate, and why;
-    prints a line for a KIVI cache that would quantize nothing on this model."""
+    device), before any weights load: a KIVI cache the model cannot hold, a context past the model's positions, or a
+    generate run's new tokens filling the context, is a ConfigError naming the field. Returns the caches whose
+    generations go through transformers.generate, and why; prints a line for a KIVI cache that would quantize nothing
+    on this model."""
     model_config = load_model_config(config.model.spec)
     text = model_config.get_text_config(decoder=True)
     if config.model.dtype == "float16" and text.model_type in FP16_OVERFLOWS:
@@ -347,6 +349,10 @@ def check_model(config) -> dict[str, str]:
     if positions and context and context > positions:
         raise ConfigError(f"model.max_context: {context} tokens is past the {positions} positions of "
                           f"{config.model.spec}; lower it to {positions} or less")
+    new_tokens, room = getattr(config, "max_new_tokens", None), context or positions  # a generate run's, every row's
+    if new_tokens and room and new_tokens >= room:
+        raise ConfigError(f"max_new_tokens (--max-new-tokens): {new_tokens} new tokens a row leave no room for a "
+                          f"prompt in the {room}-token context of {config.model.spec}; lower it")
     layers = attention_layers(text) if unsupported_layout(text) is None else []
     for name, kivi in config.kivi_configs().items():
         if kivi is None:

@@ -141,9 +141,6 @@ def _check(config: GenerateConfig, where: str) -> None:
         fail("output", err)
     if config.gate is not None:
         _check_rules(config, fail)
-    if config.model.max_context is not None and config.max_new_tokens >= config.model.max_context:
-        fail("max_new_tokens", ValueError(f"{config.max_new_tokens} leaves no room for a prompt in max_context "
-                                          f"{config.model.max_context}"))
     if config.score_kl and all(kivi is None for kivi in config.kivi_configs().values()):
         fail("score_kl", ValueError("it scores KIVI outputs under fp16: add a KIVI cache (--cache kivi-2)"))
     try:
@@ -179,11 +176,23 @@ def _check_rules(config: GenerateConfig, fail) -> None:
         fail("gate", err)
     caches = [c for c in config.kivi_configs() if c != FP16]
     problems = [problem for rule in rules for problem in (
-        rule.problems({}, caches) if "generations" in rule.reads else
-        [f"rule {rule.name!r}: {rule.kind} reads evaluation results, and a generate run has generations: use "
-         "min_exact_match"])]
+        rule.problems({}, caches) + _greedy_fp16_problems(rule.name, rule.kind, config) if "generations" in rule.reads
+        else [f"rule {rule.name!r}: {rule.kind} reads evaluation results, and a generate run has generations: use "
+              "min_exact_match"])]
     if problems:
         fail("gate", ValueError("; ".join(problems)))
+
+
+def _greedy_fp16_problems(name: str, kind: str, config: GenerateConfig) -> list[str]:
+    """A generations rule compares KIVI's greedy rows with fp16's: without fp16, or sampling every row, it has none."""
+    out = []
+    if FP16 not in config.caches:
+        out.append(f"rule {name!r}: {kind} compares each KIVI cache's greedy outputs with fp16's, and the run has no "
+                   f"fp16: add {FLAGS['caches'][0]} {FP16}")
+    if config.temperature > 0:
+        out.append(f"rule {name!r}: {kind} reads the rows generated greedily, and temperature {config.temperature:g} "
+                   f"samples every row: gate a greedy run ({FLAGS['temperature'][0]} 0)")
+    return out
 
 
 def record_format(config: GenerateConfig, records: list[dict[str, Any]]) -> Literal["columns", "openai"]:

@@ -78,6 +78,20 @@ def test_min_exact_match_judges_the_fraction_of_identical_greedy_rows_on_its_exa
     assert "6 of 9 greedy rows identical to fp16 (1 of them errors under" in verdict.detail
 
 
+@pytest.mark.parametrize("limit, says", [
+    (0.9, "; n = 9 is too small: the interval lies above 0.9 only from 36 greedy rows, all identical"),
+    (0.5, None),  # 6 identical rows could pass: the 9 fail on their own data
+    (1.0, "; no n passes: an interval of a finite n never lies at 1"),
+])
+def test_a_non_inferiority_verdict_that_no_outcome_of_its_rows_could_pass_says_how_many_rows_would(root, limit, says):
+    write_run(root)
+    rule = MinExactMatch(name="same-as-fp16", kind="min_exact_match", min_fraction=limit, test="non_inferiority")
+    with Store(root) as store:
+        (verdict,) = evaluate(store, "g", [rule])
+    assert not verdict.passed
+    assert verdict.detail.endswith(says) if says else "too small" not in verdict.detail and "no n" not in verdict.detail
+
+
 def test_min_exact_match_fails_closed_on_a_partial_run(root):
     write_run(root, k2_rows=range(0, 6))  # kivi-2's second shard never written
     rule = MinExactMatch(name="same-as-fp16", kind="min_exact_match", min_fraction=0.1)

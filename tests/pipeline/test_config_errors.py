@@ -9,6 +9,7 @@ import yaml
 from huggingface_hub import constants
 from s3_server import free_ports
 
+from pipeline.cli import main as cli_main
 from pipeline.config import ConfigError, load_config
 from pipeline.gate import check_config_rules, load_gate
 from pipeline.models import load_model_config
@@ -39,6 +40,8 @@ def _kivi_eval_run(config: Path) -> subprocess.CompletedProcess:
         (dict(workloads={"gsm8k": {"n": 2}}, label="my run"), "label: String should match pattern"),
         (dict(caches=["kivi-2"], cache_overrides={"kivi-2": {"sink_tokens": 4}}, workloads={"sharegpt": {"n": 2}}),
          "caches: kivi-k2v2-g32-r128-s4 cannot run the sharegpt sweep on the static decode engine: sink_tokens=4"),
+        (dict(workloads={"gsm8k": {"n": 2}}, archive=str(CONFIGS / "smoke.yaml" / "runs")),
+         f"archive: archive {CONFIGS / 'smoke.yaml' / 'runs'}: {CONFIGS / 'smoke.yaml'} is a file, not a folder"),
     ],
 )
 def test_a_bad_config_names_the_field_and_the_fix(write_config, data_dir, fields, message):
@@ -79,6 +82,22 @@ def test_a_misspelt_name_anywhere_in_the_config_gets_the_closest_valid_one(write
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert message in str(err.value)
+
+
+def test_a_misspelt_kind_is_the_one_error_and_the_closest_kind_includes_generate(write_config, data_dir, capsys):
+    for kind, closest in (("generat", "generate"), ("nighty", "nightly")):
+        path = write_config(model=MODEL, data_dir=str(data_dir), workloads=GSM8K, kind=kind)
+        assert cli_main(["run", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(f"kind: {kind!r} is none of smoke, nightly, canary, generate (did you mean {closest!r}?)")
+        assert len(err.splitlines()) == 1
+
+
+def test_a_default_read_from_a_field_that_failed_adds_no_problem_of_its_own(write_config, data_dir):
+    path = write_config(model=MODEL, data_dir=str(data_dir), workloads=GSM8K, kind="nighty")  # label defaults to kind
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "label" not in str(err.value) and len(str(err.value).splitlines()) == 1
 
 
 def test_a_hub_id_of_the_form_owner_slash_name_passes_validation_without_asking_the_hub(write_config, data_dir):

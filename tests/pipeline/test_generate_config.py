@@ -19,6 +19,8 @@ def inputs(tmp_path, monkeypatch):
     (tmp_path / "batch.jsonl").write_text(json.dumps(BATCH_LINE) + "\n")
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"rules": [
         {"name": "drop", "kind": "max_drop", "workload": "gsm8k", "margin": 2}]}))
+    (tmp_path / "same.yaml").write_text(yaml.safe_dump({"rules": [
+        {"name": "same", "kind": "min_exact_match", "min_fraction": 0.9}]}))
 
     def no_weights(*args, **kwargs):
         raise AssertionError("model weights loaded before the options were checked")
@@ -44,11 +46,35 @@ BASE = ["--input", "prompts.jsonl", "--output", "out", "--model", "smollm2-135m"
     (["--input", "nowhere.jsonl"], "input (--input): input nowhere.jsonl: no such file or folder"),
     (["--input", "batch.jsonl", "--id-column", "key"], "id_column (--id-column): the input is in the OpenAI batch format"),
     (["--gate", "rules.yaml", "--cache", "kivi-2"], "gate (--gate): rule 'drop': max_drop reads evaluation results"),
+    (["--gate", "same.yaml", "--cache", "kivi-2"],
+     "gate (--gate): rule 'same': min_exact_match compares each KIVI cache's greedy outputs with fp16's, and the run "
+     "has no fp16: add --cache fp16"),
+    (["--gate", "same.yaml", "--cache", "fp16", "--cache", "kivi-2", "--temperature", "0.8"],
+     "gate (--gate): rule 'same': min_exact_match reads the rows generated greedily, and temperature 0.8 samples every "
+     "row: gate a greedy run (--temperature 0)"),
+    (["--output", "prompts.jsonl"], "output (--output): archive "),  # the rest: the test below
 ])
 def test_a_bad_option_is_one_error_naming_its_flag_before_any_model_loads(inputs, capsys, flags, says):
     assert main(["generate", *BASE, *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kivi-eval: error: kivi-eval generate: ") and says in err and len(err.splitlines()) == 1
+
+
+def test_an_archive_under_a_file_is_refused_naming_the_file(inputs, capsys):
+    for output in ("prompts.jsonl", "prompts.jsonl/runs"):
+        assert main(["generate", *BASE, "--output", output]) == 2
+        assert f"{inputs / 'prompts.jsonl'} is a file, not a folder; name a folder" in capsys.readouterr().err
+    assert (inputs / "prompts.jsonl").is_file()
+
+
+@pytest.mark.parametrize("flags, room", [(["--max-new-tokens", "8192"], 8192),  # the model's own positions
+                                         (["--max-new-tokens", "100", "--max-context", "100"], 100)])
+def test_new_tokens_that_fill_the_context_are_refused_before_any_weights_load(inputs, capsys, flags, room):
+    assert main(["generate", *BASE, *flags]) == 2
+    err = capsys.readouterr().err
+    assert (f"max_new_tokens (--max-new-tokens): {flags[1]} new tokens a row leave no room for a prompt in the "
+            f"{room}-token context of smollm2-135m; lower it") in err
+    assert not (inputs / "out").exists()
 
 
 def test_a_required_option_left_out_is_named_with_its_flag(inputs, capsys):

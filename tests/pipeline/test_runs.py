@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -116,7 +117,11 @@ def test_a_run_resumed_under_another_shard_layout_or_workload_is_refused_before_
                          ("more.yaml", dict(workloads={"gsm8k": {**GSM8K, "n": 7}}, ray={"shard_size": 2}))):
         path = write_config(name, model=MODEL, caches=["kivi-2"], data_dir=str(data_dir),
                             **{"workloads": {"gsm8k": GSM8K}, **fields})
-        with pytest.raises(ResumeError, match=r"run r1 was started with other (ray.shard_size|workloads): "):
-            run(load_config(path), path.read_text(), run_id="r1", progress=False)
+        config = load_config(path)
+        with pytest.raises(ResumeError) as err:
+            run(config, path.read_text(), run_id="r1", progress=False)
+        assert re.match(r"run r1 was started with other (ray.shard_size|workloads): ", str(err.value))
+        # the query that shows the run's config reads the archive the run is in
+        assert f"kivi-eval query --archive {config.archive} \"SELECT config_yaml FROM runs" in str(err.value)
     manifest = ArchiveWriter(load_config(started).archive, "r1").read_run()
     assert manifest["status"] == "running" and manifest["config_yaml"] == started.read_text()  # left as it was
