@@ -96,10 +96,13 @@ class KiviConfig:
 
     @classmethod
     def from_name(cls, name: str) -> KiviConfig:
-        """A named preset: see ``PRESETS``."""
-        if name not in PRESETS:
-            raise KiviConfigError(f"unknown KIVI preset {name!r}{did_you_mean(name, PRESETS)}; presets: {', '.join(PRESETS)}")
-        return cls(**PRESETS[name])
+        """A named preset (see ``PRESETS``), or a preset's cache name as outputs print it (``kivi-k2v2-g32-r128``)."""
+        if name in PRESETS:
+            return cls(**PRESETS[name])
+        for fields in PRESETS.values():
+            if (config := cls(**fields)).name == name:
+                return config
+        raise KiviConfigError(f"unknown KIVI preset {name!r}{did_you_mean(name, PRESETS)}; presets: {', '.join(PRESETS)}")
 
 
 @dataclass(frozen=True)

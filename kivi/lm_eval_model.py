@@ -8,15 +8,17 @@ Registered by kivi_lm_eval_hook (installed with this package), so lm-eval's own 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 from lm_eval.models.huggingface import HFLM
 
 from kivi.cache import KiviCache
-from kivi.config import KiviConfig
+from kivi.config import KiviConfig, KiviConfigError, did_you_mean
 from kivi.integration import enable_kivi
 
 KIVI_FIELDS = tuple(f.name for f in dataclasses.fields(KiviConfig))
+HF_ARGS = frozenset(inspect.signature(HFLM.__init__).parameters)
 
 
 class KiviLM(HFLM):
@@ -33,6 +35,9 @@ class KiviLM(HFLM):
 
     def __init__(self, pretrained, kivi: str | None = None, **kwargs: Any) -> None:
         fields = {name: kwargs.pop(name) for name in KIVI_FIELDS if name in kwargs}
+        for name in kwargs.keys() - HF_ARGS:  # the rest reach from_pretrained: a misspelt KIVI field fails there late
+            if hint := did_you_mean(name, KIVI_FIELDS):
+                raise KiviConfigError(f"model_args {name}={kwargs[name]!r}: no KIVI field and no HF argument{hint}")
         base = KiviConfig.from_name(kivi) if kivi is not None else KiviConfig()
         self.kivi_config = dataclasses.replace(base, **fields)
         super().__init__(pretrained, **kwargs)

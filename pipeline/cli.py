@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 DEFAULT_ARCHIVE = os.environ.get("KIVI_ARCHIVE", "archive")
 RUN_FAILED = 3  # exit code of a run that stopped (0: every gate rule passed, 1: a rule failed, 2: bad input)
+INTERRUPTED = 130  # a run stopped by Ctrl-C (the shell's code for SIGINT)
 ARCHIVE_HELP = "archive root: a folder or a URI such as s3://bucket/prefix (default: $KIVI_ARCHIVE, else ./archive)"
 
 
@@ -113,22 +114,29 @@ def conclude(run_id: str, archive: str, attempt: Callable[[], None], rules, repo
              baseline_run_id: str | None = None, summarize: Callable[[], None] | None = None) -> int:
     """Run ``attempt`` (it prints its own summary), ``summarize`` what the run wrote, gate the run with its own
     ``rules`` (when given) and report it; returns the gate's exit code (0 without rules), or RUN_FAILED when the run
-    stopped: it is still summarized, gated and reported with what it wrote, marked partial."""
+    stopped: it is still summarized, gated and reported with what it wrote, marked partial. Interrupted (Ctrl-C),
+    it says how to resume and returns INTERRUPTED at once."""
     from pipeline.archive import ArchiveWriter
     from pipeline.errors import ConfigError
     from pipeline.runner import ResumeError, describe_failure, format_seconds
 
     began = time.perf_counter()
+    resume = (f"its finished files are kept: the same command with --run-id {run_id} computes only what is "
+              "missing")
     try:
         attempt()
     except (ResumeError, ConfigError):
         raise  # refused before anything ran: the run's manifest and files are as they were
+    except KeyboardInterrupt:
+        print(f"\nkivi-eval: run {run_id} interrupted after {format_seconds(time.perf_counter() - began)}; {resume}",
+              file=sys.stderr)
+        return INTERRUPTED
     except Exception as err:
         if ArchiveWriter(archive, run_id).read_run() is None:
             raise  # stopped before the run began: nothing to gate or report
         failed = True
         print(f"kivi-eval: run {run_id} failed after {format_seconds(time.perf_counter() - began)}: "
-              f"{describe_failure(err)}", file=sys.stderr)
+              f"{describe_failure(err)}; {resume}", file=sys.stderr)
     else:
         failed = False
     if summarize:

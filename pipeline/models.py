@@ -32,6 +32,7 @@ from transformers import (
 )
 from transformers.utils import CONFIG_NAME, cached_file
 
+from kivi.config import did_you_mean
 from pipeline import gguf_rebuild, gguf_tokenizer
 from pipeline.errors import InputError
 from pipeline.model_specs import (
@@ -192,7 +193,8 @@ def converted_folder(name: str, gguf_file: Path | None = None) -> Path:
     against the packaged sha256.
     """
     if name not in PACKAGED_MODELS:
-        raise ModelSpecError(f"model: {name!r} is not a packaged model; packaged: {sorted(PACKAGED_MODELS)}")
+        raise ModelSpecError(f"model: {name!r} is not a packaged model{did_you_mean(name, PACKAGED_MODELS)}; packaged: "
+                             f"{sorted(PACKAGED_MODELS)}")
     target = model_cache_dir() / name
     if (target / "config.json").is_file():
         return target

@@ -79,6 +79,13 @@ def test_a_preset_names_the_cache_of_its_configuration_and_any_other_name_is_its
     assert len(set(preset_caches().values())) == len(preset_caches())  # one preset per archive name
 
 
+def test_a_preset_is_also_named_by_its_cache_name_as_outputs_print_it():
+    for preset, name in preset_caches().items():
+        assert KiviConfig.from_name(name) == KiviConfig.from_name(preset)
+    with pytest.raises(KiviConfigError, match="unknown KIVI preset 'kivi-k2v2-g32-r96'"):
+        KiviConfig.from_name("kivi-k2v2-g32-r96")  # a valid configuration, but no preset's: a cache_overrides entry
+
+
 def test_what_the_slot_cache_cannot_hold_is_decided_from_the_config_alone_without_torch():
     code = ("import sys\nfrom kivi.config import KiviConfig, slot_unsupported\n"
             "print(slot_unsupported(KiviConfig.from_name('kivi-2')), slot_unsupported(KiviConfig(sink_tokens=4)), "

@@ -37,6 +37,7 @@ def test_lm_eval_finds_kivi_beside_its_own_models_in_a_fresh_interpreter():
     ({"kivi": "kivi-2", "residual_length": 40}, "residual_length=40 must be >= 0 and a multiple of group_size=32"),
     ({"kivi": "kivi-3"}, "unknown KIVI preset 'kivi-3'"),
     ({"key_axis": "channels"}, "did you mean 'channel'"),
+    ({"kbits": 2}, r"model_args kbits=2: no KIVI field and no HF argument \(did you mean 'k_bits'\?\)"),
 ])
 def test_bad_kivi_args_raise_before_the_model_loads(args, message):
     from kivi.lm_eval_model import KiviLM

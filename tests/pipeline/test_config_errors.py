@@ -93,6 +93,11 @@ def test_a_misspelt_kind_is_the_one_error_and_the_closest_kind_includes_generate
         assert len(err.splitlines()) == 1
 
 
+def test_model_folder_names_the_closest_packaged_model(capsys):
+    assert cli_main(["model-folder", "smollm2-136m"]) == 2
+    assert "model: 'smollm2-136m' is not a packaged model (did you mean 'smollm2-135m'?)" in capsys.readouterr().err
+
+
 def test_a_default_read_from_a_field_that_failed_adds_no_problem_of_its_own(write_config, data_dir):
     path = write_config(model=MODEL, data_dir=str(data_dir), workloads=GSM8K, kind="nighty")  # label defaults to kind
     with pytest.raises(ConfigError) as err:

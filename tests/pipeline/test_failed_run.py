@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from kivi import KiviConfigError
 from kivi.fidelity import measure_fidelity
-from pipeline.cli import RUN_FAILED, main
+from pipeline.cli import INTERRUPTED, RUN_FAILED, main
 from pipeline.engine import Engine
 from pipeline.store import Store
 
@@ -58,7 +58,8 @@ def test_a_run_stopped_mid_way_is_marked_failed_gated_and_reported_as_partial(ti
 
     monkeypatch.setattr(Engine, "generate", kivi_fails)
     assert main(["run", run_config(tmp_path, tiny_model_folder(64), data_dir), "--no-ray"]) == RUN_FAILED
-    assert "failed after" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "failed after" in err
 
     with Store(tmp_path / "archive") as store:
         (run,) = store.records("SELECT * FROM runs")
@@ -66,11 +67,27 @@ def test_a_run_stopped_mid_way_is_marked_failed_gated_and_reported_as_partial(ti
         verdicts = store.records("SELECT * FROM verdicts")
     assert run["status"] == "failed" and run["finished_at"] is not None
     assert run["error"] == "RuntimeError: the KIVI shard's engine stopped"
+    assert f"the same command with --run-id {run['run_id']} computes only what is missing" in err
     assert json.loads(run["skipped"]) == {"gsm8k": {}}
     assert results == [{"cache": "fp16", "n": 2}]  # the fp16 shard finished before KIVI-2 stopped the run
     assert [(v["rule"], v["passed"]) for v in verdicts] == [("gsm8k-drop", False)]
     report = (tmp_path / "reports" / run["run_id"] / "report.md").read_text()
     assert f"**Partial results: the run failed: {run['error']}." in report
+
+
+def test_a_run_interrupted_says_how_to_resume_and_leaves_its_manifest_failed(tiny_model_folder, data_dir, tmp_path,
+                                                                            capsys, monkeypatch):
+    def interrupted(engine, requests, kivi, batch_size):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    assert main(["run", run_config(tmp_path, tiny_model_folder(64), data_dir), "--no-ray"]) == INTERRUPTED
+    with Store(tmp_path / "archive") as store:
+        (run,) = store.records("SELECT * FROM runs")
+    assert run["status"] == "failed" and run["error"] == "KeyboardInterrupt"
+    err = capsys.readouterr().err
+    assert f"run {run['run_id']} interrupted after" in err and f"--run-id {run['run_id']} computes only" in err
+    assert "Traceback" not in err and not (tmp_path / "reports").exists()  # no gate or report after Ctrl-C
 
 
 def test_the_fidelity_measure_refuses_a_cache_the_model_cannot_hold_before_any_forward_pass(head_dim_48_model):
