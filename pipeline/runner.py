@@ -26,6 +26,7 @@ from kivi.cache import check_fits_model
 from kivi.layout import attention_layers, unsupported_layout
 from pipeline.errors import ConfigError, InputError
 from pipeline.models import FP16_OVERFLOWS, load_model_config, load_tokenizer, meta_model
+from pipeline.names import GENERATE
 from pipeline.worker import CRASH_ONCE_ENV, EvalWorker, RunContext, Shard
 from pipeline.workloads import Request, Workload, check_budget
 
@@ -63,7 +64,7 @@ def run(config: RunConfig, config_yaml: str, run_id: str | None = None, progress
     archive = ArchiveWriter(config.archive, run_id)
     manifest = archive.read_run()
     if manifest is not None:
-        check_resumable(run_id, config.archive, manifest["config_yaml"], config_yaml, _RESUME_FIELDS)
+        check_resumable(run_id, config.archive, manifest, config.kind, config_yaml, _RESUME_FIELDS)
     fallbacks = check_model(config)  # before the first write: a cache the model cannot hold is a config error
     _check_sweeps(config, fallbacks)
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.spec)  # a bad spec fails before the first write
@@ -115,15 +116,19 @@ class ResumeError(InputError):
     """A run id resumed with a config whose requests or shards differ from those the run was started with."""
 
 
-def check_resumable(run_id: str, archive: str, started_yaml: str | None, config_yaml: str,
+def check_resumable(run_id: str, archive: str, manifest: dict, kind: str, config_yaml: str,
                     fields: tuple[str, ...]) -> None:
-    """Refuse a resume whose config differs from the one the run started with in any of ``fields`` (dotted)."""
+    """Refuse a resume of a run of the other family (generate or evaluation) than ``kind``'s, or whose config
+    differs from the one the run started with in any of ``fields`` (dotted)."""
     def field(config: dict, name: str):
         for key in name.split("."):
             config = config.get(key) if isinstance(config, dict) else None
         return config
 
-    started, now = (yaml.safe_load(text or "") or {} for text in (started_yaml, config_yaml))
+    if (manifest.get("kind") == GENERATE) != (kind == GENERATE):
+        raise ResumeError(f"run {run_id} in {archive} is a {manifest.get('kind')} run, and this config's kind is "
+                          f"{kind}: resume it with a {manifest.get('kind')} config, or start a new run id")
+    started, now = (yaml.safe_load(text or "") or {} for text in (manifest.get("config_yaml"), config_yaml))
     changed = [name for name in fields if field(started, name) != field(now, name)]
     if changed:
         raise ResumeError(

@@ -124,6 +124,8 @@ def load_generate_config(path: str | os.PathLike[str] | None = None, **flags: An
 
 def _problem(error: dict[str, Any]) -> tuple[str, str]:
     where, message = validation_problem(error, GenerateConfig)
+    if where == "model" and error["type"] == "missing":  # the section is required for its spec, which --model gives
+        where = "model.spec"
     return _named(where or "config"), message
 
 

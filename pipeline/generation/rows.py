@@ -79,7 +79,8 @@ def base_row(row: int, record: Any, id_field: str, options: Options, duplicate: 
     if key is None:
         return out.failed("invalid_id", f"{id_field!r} is {type(record[id_field]).__name__}, not text or an integer")
     if duplicate is not None:
-        return out.failed("duplicate_id", f"id {key!r} is also on row {duplicate[1]}, which is generated")
+        return out.failed("duplicate_id", f"id {key!r} is also on row {duplicate[1]}, the first row with it, which "
+                                          "keeps it")
     return out
 
 

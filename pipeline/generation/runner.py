@@ -56,7 +56,7 @@ def generate(config: GenerateConfig, run_id: str | None = None, progress: bool =
     archive = ArchiveWriter(config.output, run_id)
     manifest = archive.read_run()
     if manifest is not None:
-        check_resumable(run_id, config.output, manifest["config_yaml"], config_yaml, RESUME_FIELDS)
+        check_resumable(run_id, config.output, manifest, config.kind, config_yaml, RESUME_FIELDS)
     source = resolve(config.input, config.split)
     layout = record_format(config, sample_records(source))
     _check_tokenizer(config, layout)

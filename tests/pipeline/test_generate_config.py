@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 import pipeline.worker
+from pipeline.archive import ArchiveWriter
 from pipeline.cli import main
 
 BATCH_LINE = {"custom_id": "c0", "method": "POST", "url": "/v1/chat/completions",
@@ -77,10 +78,16 @@ def test_new_tokens_that_fill_the_context_are_refused_before_any_weights_load(in
     assert not (inputs / "out").exists()
 
 
+def test_an_evaluation_runs_id_is_refused_as_a_generate_resume(inputs, capsys):
+    ArchiveWriter("out", "s1").write_run({"kind": "smoke", "model": "smollm2-135m", "config_yaml": "kind: smoke\n"})
+    assert main(["generate", *BASE, "--run-id", "s1"]) == 2
+    assert "is a smoke run, and this config's kind is generate: resume it with a smoke config" in capsys.readouterr().err
+
+
 def test_a_required_option_left_out_is_named_with_its_flag(inputs, capsys):
     assert main(["generate", "--input", "prompts.jsonl"]) == 2
     err = capsys.readouterr().err
-    assert "output (--output): Field required" in err and "model (--model" not in err and "model: Field required" in err
+    assert "output (--output): Field required" in err and "model.spec (--model): Field required" in err
 
 
 def test_sampling_on_a_cache_the_decode_engine_does_not_hold_is_refused_before_any_weights_load(inputs, capsys):

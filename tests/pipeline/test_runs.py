@@ -123,5 +123,10 @@ def test_a_run_resumed_under_another_shard_layout_or_workload_is_refused_before_
         assert re.match(r"run r1 was started with other (ray.shard_size|workloads): ", str(err.value))
         # the query that shows the run's config reads the archive the run is in
         assert f"kivi-eval query --archive {config.archive} \"SELECT config_yaml FROM runs" in str(err.value)
+    generated = ArchiveWriter(load_config(started).archive, "g1")
+    generated.write_run({"kind": "generate", "model": MODEL["spec"], "config_yaml": "kind: generate\n"})
+    with pytest.raises(ResumeError, match=r"run g1 in .* is a generate run, and this config's kind is nightly: "
+                                          r"resume it with a generate config, or start a new run id"):
+        run(load_config(started), started.read_text(), run_id="g1", progress=False)
     manifest = ArchiveWriter(load_config(started).archive, "r1").read_run()
     assert manifest["status"] == "running" and manifest["config_yaml"] == started.read_text()  # left as it was
