@@ -99,9 +99,8 @@ class KiviConfig:
         """A named preset (see ``PRESETS``), or a preset's cache name as outputs print it (``kivi-k2v2-g32-r128``)."""
         if name in PRESETS:
             return cls(**PRESETS[name])
-        for fields in PRESETS.values():
-            if (config := cls(**fields)).name == name:
-                return config
+        if preset := {cache: preset for preset, cache in preset_caches().items()}.get(name):
+            return cls(**PRESETS[preset])
         raise KiviConfigError(f"unknown KIVI preset {name!r}{did_you_mean(name, PRESETS)}; presets: {', '.join(PRESETS)}")
 
 
