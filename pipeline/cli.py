@@ -163,7 +163,7 @@ def gate(run_id: str, archive: str, rules_path: str | os.PathLike[str] | None = 
     """Gate ``run_id`` with ``rules_path`` (default: the rules its config names) and print the verdicts. They are
     kept in the archive, replacing that rules file's earlier ones, when they are the run's own rules or ``record``
     asks: rules tried on a run leave its report and history as they were."""
-    from pipeline.gate import evaluate, exit_code, load_gate, own_rules, write_verdicts
+    from pipeline.gate import check_rules_fit_run, evaluate, exit_code, load_gate, own_rules, write_verdicts
 
     with _archive(archive, run_id) as store:  # an unknown baseline fails closed in the rules that need one
         own = own_rules(store, run_id)
@@ -172,7 +172,9 @@ def gate(run_id: str, archive: str, rules_path: str | os.PathLike[str] | None = 
             raise InputError(f"run {run_id}'s config names no gate rules file (gate:); pass --rules FILE")
         if own is not None and rules_path == own and not own.is_file():
             raise InputError(f"run {run_id}'s config names gate: {own}, no file from {Path.cwd()}; pass --rules FILE")
-        verdicts = evaluate(store, run_id, load_gate(rules_path), baseline_run_id)
+        rules = load_gate(rules_path)
+        check_rules_fit_run(store, run_id, rules, rules_path)
+        verdicts = evaluate(store, run_id, rules, baseline_run_id)
     record = record or (own is not None and own.resolve() == rules_path.resolve())
     if record:
         write_verdicts(archive, run_id, verdicts, rules_path)

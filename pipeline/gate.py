@@ -26,13 +26,13 @@ from scipy.stats import binomtest
 from kivi.config import cache_name, did_you_mean
 from pipeline.archive import ArchiveWriter
 from pipeline.errors import ConfigError, InputError, error_message, read_yaml, unknown_field, validation_text
-from pipeline.names import FP16
+from pipeline.config import RunConfig
+from pipeline.names import FP16, GENERATE
 from pipeline.stats import TASK_AVERAGED_WORKLOADS, VIEW_CONFIDENCE, PairedDelta, paired_delta
+from pipeline.workloads import Workload, resolve_data_dir
 
-if TYPE_CHECKING:  # types only: the archive commands (gate, report) load neither the config nor the workloads
-    from pipeline.config import RunConfig
+if TYPE_CHECKING:
     from pipeline.store import Store
-    from pipeline.workloads import Workload
 
 # Scores are averages of floats: 0.70 - 0.68 is 2.0000000000000018 points, which must pass "margin: 2".
 _EPS = 1e-9
@@ -100,14 +100,17 @@ class GateRule(BaseModel):
         """A preset as configs name it (kivi-2) stands for its archive name (kivi-k2v2-g32-r128)."""
         return None if cache is None else cache_name(cache)
 
-    def problems(self, workloads: Mapping[str, Workload], caches: Sequence[str]) -> list[str]:
-        """What this rule names that the config does not run, each with the fix; empty when it can be checked."""
+    def problems(self, workloads: Mapping[str, Workload], caches: Sequence[str], run_id: str | None = None) -> list[str]:
+        """What this rule names that the config does not run (or, given ``run_id``, that run's config did not), each
+        with the fix; empty when it can be checked."""
+        config, configs = ("the config", "the config's") if run_id is None else (f"run {run_id}", f"run {run_id}'s")
         out = []
         workload_name, task, cache = (getattr(self, f, None) for f in ("workload", "task", "cache"))
         workload = workloads.get(workload_name) if workload_name else None
         if workload_name and workload is None:
-            out.append(f"workload {workload_name!r} is not in the config's workloads ({', '.join(workloads)})"
-                       f"{did_you_mean(workload_name, workloads)}: add it there or drop the rule")
+            out.append(f"workload {workload_name!r} is not in {configs} workloads ({', '.join(workloads) or 'none'})"
+                       f"{did_you_mean(workload_name, workloads)}: "
+                       + ("add it there or drop the rule" if run_id is None else "correct the name or drop the rule"))
         elif workload is not None and workload.kind not in self.reads:
             out.append(f"workload {workload_name!r} is of kind {workload.kind!r}; {self.kind} reads "
                        f"{' or '.join(map(repr, self.reads))} workloads")
@@ -115,8 +118,9 @@ class GateRule(BaseModel):
             out.append(f"task {task!r} is not run by workload {workload_name!r} (tasks: {', '.join(workload.tasks())})"
                        f"{did_you_mean(task, workload.tasks())}")
         if cache and cache not in caches:
-            out.append(f"cache {cache!r} is not run by the config (caches: {', '.join(caches)}){did_you_mean(cache, caches)}: "
-                       "name the archive name of one of the config's caches, or add its preset to caches")
+            out.append(f"cache {cache!r} is not run by {config} (caches: {', '.join(caches)}){did_you_mean(cache, caches)}: "
+                       f"name the archive name of one of {configs} caches"
+                       + (", or add its preset to caches" if run_id is None else ""))
         return [f"rule {self.name!r}: {problem}" for problem in out]
 
     def _verdict(self, cache: str | None, observed: float | None, threshold: float | None, passed: bool, detail: str,
@@ -492,11 +496,12 @@ class MinExactMatch(PerCacheRule):
     def threshold(self) -> float:
         return self.min_fraction
 
-    def problems(self, workloads: Mapping[str, Workload], caches: Sequence[str]) -> list[str]:
-        out = super().problems(workloads, caches)
+    def problems(self, workloads: Mapping[str, Workload], caches: Sequence[str], run_id: str | None = None) -> list[str]:
+        out = super().problems(workloads, caches, run_id)
         if workloads:
             out.append(f"rule {self.name!r}: min_exact_match reads the generations of a kivi-eval generate run, and "
-                       "this config runs workloads: gate the generate run with it (kivi-eval generate --gate)")
+                       f"{'this config' if run_id is None else f'run {run_id}'} runs workloads: gate a generate run "
+                       "with it (kivi-eval generate --gate)")
         return out
 
     def _rows_to_pass(self) -> int | None:
@@ -574,6 +579,31 @@ def check_config_rules(config: RunConfig, path: str | os.PathLike[str]) -> None:
     workloads, caches = config.build_workloads(), [c for c in config.kivi_configs() if c != FP16]
     if problems := [problem for rule in rules.rules for problem in rule.problems(workloads, caches)]:
         raise ConfigError(f"{Path(path)}: gate ({config.gate}): {'; '.join(problems)}")
+
+
+def check_rules_fit_run(store: Store, run_id: str, rules: GateConfig, rules_path: str | os.PathLike[str]) -> None:
+    """Raise GateConfigError when a rule names a workload, task or cache that ``run_id``'s config never ran: a
+    misspelt name would otherwise read as a failing "missing" verdict. What the run planned and did not write (a
+    failed shard) is judged, and fails closed."""
+    plan = _run_plan(store, run_id)
+    if plan is not None and (problems := [p for rule in rules.rules for p in rule.problems(*plan, run_id=run_id)]):
+        raise GateConfigError(f"{rules_path}: {'; '.join(problems)}")
+
+
+def _run_plan(store: Store, run_id: str) -> tuple[dict[str, Workload], list[str]] | None:
+    """The workloads and KIVI caches (archive names) of ``run_id``'s stored config; None where none rebuilds (no
+    manifest, or an older run whose workload options or presets have changed since)."""
+    rows = store.records("SELECT kind, config_yaml FROM runs WHERE run_id = $1", [run_id])
+    raw = yaml.safe_load(rows[0]["config_yaml"] or "") if rows else None
+    if not isinstance(raw, dict):
+        return None
+    try:
+        if rows[0]["kind"] == GENERATE:
+            return {}, [cache_name(c) for c in raw.get("caches", ()) if c != FP16]
+        config = RunConfig.model_construct(**raw | {"data_dir": resolve_data_dir(raw.get("data_dir"))})
+        return config.build_workloads(), [c for c in config.kivi_configs() if c != FP16]
+    except (AttributeError, TypeError, ValueError):  # a field gone, KiviConfigError…: the verdicts still fail closed
+        return None
 
 
 def load_gate(path: str | os.PathLike[str]) -> GateConfig:

@@ -23,7 +23,16 @@ MODEL = "smollm2-135m"
 STARTED = dt.datetime(2025, 6, 1, 2, 0, tzinfo=dt.UTC)
 QUANT = {FP16: (None, None, None, None), K2: (2, 2, 32, 128), K4: (4, 4, 32, 128)}
 LENGTHS, DEPTHS = (1024, 2048, 4096), (0.0, 0.5, 1.0)
-CONFIG_YAML = "model: smollm2-135m\ncaches: [fp16, kivi-2, kivi-4]\n"
+# As the runs' config would read (fidelity planned: its rows are missing, as after a failed shard).
+CONFIG_YAML = """model: {spec: smollm2-135m}
+caches: [kivi-2, kivi-4]
+workloads:
+  gsm8k: {n: 20}
+  longbench: {tasks: [narrativeqa, gov_report, trec], n: 4}
+  niah: {tasks: [niah], lengths: [1024, 2048, 4096], depths: [0.0, 0.5, 1.0]}
+  fidelity: {n: 8}
+  sharegpt: {n: 64}
+"""
 
 
 def result_row(cache: str, task: str, request_id: str, score: float | None, metric: str, **extra) -> dict:

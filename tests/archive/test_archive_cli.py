@@ -113,6 +113,24 @@ def test_other_rules_tried_on_a_run_are_printed_but_kept_only_with_record(archiv
         assert store.records("SELECT gate_passed FROM run_summary WHERE run_id = 'nightly-a'") == [{"gate_passed": False}]
 
 
+@pytest.mark.parametrize("rule, says", [
+    ("{name: r, kind: max_drop, workload: gsm8k, cache: kivi-k2v2-g23-r128, margin: 3}",
+     f"rule 'r': cache 'kivi-k2v2-g23-r128' is not run by run nightly-a (caches: {K2}, {K4}) (did you mean '{K2}'?)"),
+    ("{name: r, kind: max_drop, workload: gsm8, margin: 3}",
+     "rule 'r': workload 'gsm8' is not in run nightly-a's workloads (gsm8k, longbench, niah, fidelity, sharegpt) "
+     "(did you mean 'gsm8k'?): correct the name or drop the rule"),
+    ("{name: r, kind: max_drop, workload: longbench, task: qasper, margin: 3}",
+     "rule 'r': task 'qasper' is not run by workload 'longbench' (tasks: narrativeqa, gov_report, trec)"),
+])
+def test_rules_tried_on_a_run_that_name_what_it_never_ran_are_bad_input_not_a_failed_gate(archive, tmp_path, capsys,
+                                                                                          rule, says) -> None:
+    rules = tmp_path / "typo.yaml"
+    rules.write_text(f"rules:\n  - {rule}\n")
+    assert main(["gate", "nightly-a", "--rules", str(rules), "--archive", archive]) == 2
+    assert says in error_line(capsys)
+    assert listing(archive, "verdicts") == []
+
+
 def test_gating_a_run_whose_config_names_no_rules_asks_for_them(archive, capsys) -> None:
     assert main(["gate", "nightly-a", "--archive", archive]) == 2
     assert "run nightly-a's config names no gate rules file (gate:); pass --rules FILE" in error_line(capsys)

@@ -162,7 +162,7 @@ def test_the_header_verdicts_skipped_counts_and_config_are_reported(report: Path
     assert "# KIVI evaluation: `nightly-a`" in text and "| transformers | 5.17.0" in text and "| status       | complete" in text
     assert "**FAIL**" in text
     assert "| longbench | empty context     | 1" not in text and "| longbench | empty context     | 2" in text
-    assert "```yaml\nmodel: smollm2-135m" in text
+    assert "```yaml\nmodel: {spec: smollm2-135m}" in text
     assert "| actor 0      | node1 pid 7 cuda GPU 1 (22c5e003…): 9 jobs, ready after 21.4 s (constructor 9.8 s)" in text
 
 
