@@ -617,14 +617,6 @@ def parse_gate(data: Any, source: str = "gate rules") -> GateConfig:
         raise GateConfigError(f"{source}: expected a mapping with a 'rules' list, got {type(data).__name__}")
     if not isinstance(data.get("rules"), list):
         raise GateConfigError(f"{source}: 'rules' must be a list of rules; found keys {sorted(map(str, data))}")
-    valid = ", ".join(RULE_KINDS)
-    for i, rule in enumerate(data["rules"]):
-        if not isinstance(rule, Mapping):
-            raise GateConfigError(f"{source}: rules[{i}] must be a mapping like {{name: …, kind: max_drop, …}}")
-        kind = rule.get("kind")
-        if kind not in RULE_KINDS:
-            raise GateConfigError(f"{source}: rules[{i}].kind={kind!r} is not a rule kind{did_you_mean(kind, RULE_KINDS)}; "
-                                  f"valid kinds: {valid}")
     try:
         return GateConfig.model_validate(data)
     except ValidationError as e:
@@ -632,13 +624,19 @@ def parse_gate(data: Any, source: str = "gate rules") -> GateConfig:
 
 
 def _rule_problem(err: Mapping[str, Any], data: Mapping[str, Any]) -> tuple[str, str]:
-    """(where, message) of one error in ``data``: where names the rule, an unknown field lists its kind's fields."""
+    """(where, message) of one error in ``data``: where names the rule, an unknown kind or field the closest one."""
     loc = [p for p in err["loc"] if p not in RULE_KINDS]  # pydantic inserts the union tag into the path
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
     message = error_message(err)
     if len(loc) >= 2 and loc[0] == "rules" and isinstance(loc[1], int):
         rule = data["rules"][loc[1]]
+        if not isinstance(rule, Mapping):
+            return where, "must be a mapping like {name: …, kind: max_drop, …}"
         where = where.replace(f"rules[{loc[1]}]", f"rules[{loc[1]}] ({rule.get('name', 'unnamed')})", 1)
+        if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            kind = rule.get("kind")
+            return f"{where}.kind", (f"{kind!r} is not a rule kind{did_you_mean(kind, RULE_KINDS)}" if kind is not None
+                                     else "missing") + f"; valid kinds: {', '.join(RULE_KINDS)}"
         if err["type"] == "extra_forbidden":
             fields = [f for f in RULE_KINDS[rule["kind"]].model_fields if f != "kind"]
             message = f"{unknown_field(str(loc[-1]), fields)}; fields of {rule['kind']}: {', '.join(fields)}"

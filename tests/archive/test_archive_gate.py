@@ -53,8 +53,19 @@ def test_a_missing_or_malformed_rules_file_is_one_error_naming_it(tmp_path: Path
 
 
 def test_an_unknown_rule_kind_is_refused_with_a_suggestion_and_the_valid_kinds() -> None:
-    with pytest.raises(GateConfigError, match=r"rules\[0\]\.kind='max_dropp'.*did you mean 'max_drop'.*cells_equal"):
+    with pytest.raises(GateConfigError, match=r"rules\[0\] \(r0\)\.kind: 'max_dropp' is not a rule kind \(did you mean "
+                                              r"'max_drop'\?\); valid kinds: max_drop, max_kl, cells_equal"):
         rules({"kind": "max_dropp", "workload": "gsm8k", "margin": 2})
+
+
+def test_a_bad_rule_kind_does_not_hide_the_other_rules_mistakes() -> None:
+    with pytest.raises(GateConfigError) as err:
+        rules({"kind": "max_dropp", "workload": "gsm8k", "margin": 2}, {"kind": "max_drop", "workload": "gsm8k", "margn": 2},
+              {"workload": "gsm8k"})
+    problems = str(err.value).split("; ")
+    assert problems[0].startswith("gate rules: rules[0] (r0).kind: 'max_dropp' is not a rule kind")
+    assert "rules[1] (r1).margn: unknown field (did you mean 'margin'?)" in problems
+    assert "rules[2] (r2).kind: missing" in problems
 
 
 def test_a_misspelled_field_is_named_with_a_suggestion() -> None:
