@@ -11,8 +11,11 @@ never the prompts or the outputs.
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 import time
+from contextlib import nullcontext, redirect_stdout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,20 +123,37 @@ def _execute(config: GenerateConfig, ctx, planned: InputPlan, archive: ArchiveWr
     bar = tqdm(total=planned.rows * len(summary.caches), initial=reused_rows, desc=f"generate {ctx.run_id}",
                unit="row", disable=not progress)
     tokens, first = 0, None  # the rate counts from the first finished job: the actors' start-up is not generation
+    # A worker in this process prints its shard lines to this terminal, not to an actor's log: above the bar.
     try:
-        for actor, (_, (shard, _, _)), written in run_jobs(GenerateWorker, ctx, config.ray, jobs, summary.placements,
-                                                           in_process):
-            summary.placements[actor]["jobs"] += 1
-            summary.computed += [(shard.index, cache) for cache in written]
-            tokens += sum(written.values())
-            now = time.perf_counter()
-            if first is None:
-                first = (now, tokens)
-            elif now > first[0]:
-                bar.set_postfix_str(f"{(tokens - first[1]) / (now - first[0]):,.1f} tokens/s", refresh=False)
-            bar.update(shard.rows * len(written))
+        with redirect_stdout(_AboveTheBar(bar, sys.stdout)) if in_process and progress else nullcontext():
+            for actor, (_, (shard, _, _)), written in run_jobs(GenerateWorker, ctx, config.ray, jobs, summary.placements,
+                                                               in_process):
+                summary.placements[actor]["jobs"] += 1
+                summary.computed += [(shard.index, cache) for cache in written]
+                tokens += sum(written.values())
+                now = time.perf_counter()
+                if first is None:
+                    first = (now, tokens)
+                elif now > first[0]:
+                    bar.set_postfix_str(f"{(tokens - first[1]) / (now - first[0]):,.1f} tokens/s", refresh=False)
+                bar.update(shard.rows * len(written))
     finally:
         bar.close()
+
+
+class _AboveTheBar(io.TextIOBase):
+    """A stream whose whole lines are written to ``out`` with the progress bar cleared first and drawn again after."""
+
+    def __init__(self, bar: tqdm, out: io.TextIOBase) -> None:
+        self.bar, self.out, self.pending = bar, out, ""
+
+    def write(self, text: str) -> int:
+        lines, _, self.pending = (self.pending + text).rpartition("\n")
+        if lines:
+            with tqdm.external_write_mode(file=self.bar.fp):
+                self.out.write(lines + "\n")
+                self.out.flush()
+        return len(text)
 
 
 def _counts(archive: ArchiveWriter, caches: list[str]) -> dict[str, dict[str, Any]]:

@@ -3,7 +3,9 @@ error rows while the rest generate, a batch out of memory is retried a row at a 
 whatever the slots or the run, chat messages go through the template, stop strings end rows, KIVI outputs get
 their KL under fp16."""
 
+import io
 import json
+import sys
 
 import pytest
 import torch
@@ -102,3 +104,29 @@ def test_chat_messages_go_through_the_template_and_a_stop_string_ends_its_row(tm
     _, stopped, _ = run(tmp_path, model, messages, run_id="s", messages_column="messages", stop=[stop])
     assert stopped[0]["finish_reason"] == "stop" and stopped[0]["output_text"] == text[: text.index(stop)]
     assert stopped[0]["output_tokens"] < first[0]["output_tokens"]
+
+
+def screen(terminal: str) -> list[str]:
+    """The lines a terminal shows for ``terminal``: a carriage return writes over the line from its start."""
+    lines = []
+    for raw in terminal.split("\n"):
+        shown = ""
+        for part in raw.split("\r"):
+            shown = part + shown[len(part):]
+        lines.append(shown.rstrip())
+    return lines
+
+
+def test_a_worker_in_this_process_prints_its_shard_lines_above_the_progress_bar_not_across_it(
+        tmp_path, model, monkeypatch):
+    terminal = io.StringIO()  # stdout and stderr (the bar) on one terminal, as on a developer's machine
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in prompts(8)) + "\n")
+    config = load_generate_config(None, input=str(path), output=str(tmp_path / "out"), **{"model.spec": model},
+                                  max_new_tokens=2, batch_size=4, **{"ray.shard_size": 4})
+    generate(config, "g", progress=True, in_process=True)
+    shard_lines = [line for line in screen(terminal.getvalue()) if "generate shard" in line]
+    assert len(shard_lines) == 2  # 2 shards of fp16 (the default cache)
+    assert all(line.startswith("generate shard ") for line in shard_lines), shard_lines
