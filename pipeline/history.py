@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kivi.config import cache_name, did_you_mean
+from kivi.config import cache_name, did_you_mean, preset_caches
 from pipeline.errors import InputError
 from pipeline.names import FP16
 from pipeline.store import NEWEST_FIRST, Store
@@ -69,7 +69,11 @@ def _require_known(store: Store, **names: str | None) -> None:
         known = sorted({row[i] for row in rows if row[i] is not None})
         if value not in known:
             of = f" of {', '.join(scope)}" if scope else ""
+            # A cache is also named by its preset: both are offered, as a user may have typed either.
+            presets = {cache: preset for preset, cache in preset_caches().items() if cache in known and what == "cache"}
+            shown = [f"{name} ({presets[name]})" if name in presets else name for name in known]
             raise NoHistoryError(f"no KIVI result{of} with {what} {value!r} in the archive {store.root}"
-                                 f"{did_you_mean(value, known, n=3)}; {what}s there: {', '.join(known) or 'none'}")
+                                 f"{did_you_mean(value, [*known, *presets.values()], n=3)}; {what}s there: "
+                                 f"{', '.join(shown) or 'none'}")
         rows = [row for row in rows if row[i] == value]
         scope.append(f"{what} {value}")

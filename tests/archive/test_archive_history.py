@@ -132,11 +132,13 @@ def test_cache_kind_and_last_narrow_the_rows_and_keep_the_oldest_first(history_a
      f"of model {MODEL} with workload 'gsm8' in the archive {{root}} (did you mean 'gsm8k'?); "
      "workloads there: gsm8k, longbench, niah"),
     (dict(model=OTHER_MODEL, workload="longbench"), f"of model {OTHER_MODEL} with workload 'longbench'"),
-    (dict(model=MODEL, workload="gsm8k", cache="kivi-k2v2"), f"(did you mean '{K2}'?)"),
+    (dict(model=MODEL, workload="gsm8k", cache="kivi-k2v2"), f"(did you mean 'kivi-2', '{K2}' or 'kivi-4'?)"),
     (dict(model=MODEL, workload="gsm8k", kind="nighty"), "(did you mean 'nightly'?); kinds there: canary, nightly"),
     (dict(model=MODEL, workload="gsm8k", label="long-ctz"),
      "(did you mean 'long-ctx'?); labels there: canary, long-ctx, nightly"),
-    (dict(model=MODEL, workload="gsm8k", cache="kivi-3"), "with cache 'kivi-3'"),
+    (dict(model=MODEL, workload="gsm8k", cache="kivi-3"),
+     f"with cache 'kivi-3' in the archive {{root}} (did you mean 'kivi-4' or 'kivi-2'?); caches there: {K2} (kivi-2), "
+     f"{K4} (kivi-4)"),
 ])
 def test_a_name_without_deltas_is_an_error_naming_the_closest(history_archive, names, says) -> None:
     with Store(history_archive) as store, pytest.raises(NoHistoryError) as err:
