@@ -170,29 +170,34 @@ CHECKS = {"quantize": check_quantize, "random": check_decode_random, "real": lam
 
 
 class _Printed(list):
-    """The rows, each printed as it is appended (a run stopped at a time limit still shows what it checked)."""
+    """The rows, each printed as it is appended and, given a path, the JSON rewritten with it: a run stopped at a time
+    limit still shows and keeps what it checked."""
+
+    def __init__(self, json_path: str | None) -> None:
+        super().__init__()
+        self.json_path = json_path
+        self.meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "git": git_sha()}
 
     def append(self, row: dict) -> None:
         super().append(row)
         print(f"{row['check']:8} {row['case']} {row['metric']} {row['value']:.2e} {'ok' if row['ok'] else 'FAILED'}", flush=True)
+        if self.json_path:
+            with open(self.json_path, "w") as f:
+                json.dump(self.meta | {"rows": list(self)}, f, indent=1)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=CHECKS, help="these checks alone (default: all, in this order)")
-    parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--json", help="also write the rows here, as each is checked")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("tools.kernel_check needs CUDA; the CPU tests are `pytest tests/kernels`", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = _Printed()
+    rows = _Printed(args.json)
     for name in args.only or CHECKS:
         CHECKS[name](rows, gen)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "git": git_sha(),
-                       "rows": rows}, f, indent=1)
     width = max(len(r["case"]) for r in rows)
     print(f"{'check':8} {'case':{width}} {'metric':16} {'value':>9}  ok")
     for r in rows:
