@@ -135,6 +135,7 @@ class DecodeEngine:
         self.refill, self.use_kernels = refill, use_kernels
         self.device, self.dtype = model.device, model.dtype
         self.prompt_logits = _compiled_prompt_logits if compile_prefill else _prompt_logits
+        self._unfinished = False  # whether the last generate call raised
 
     def run(self, prompts: list[list[int]], new_tokens: int, kivi: KiviConfig | None) -> DecodeRun:
         """``new_tokens`` greedy tokens for every prompt, all in one batch, no end ids (a throughput point).
@@ -154,7 +155,12 @@ class DecodeEngine:
         if self.decode is None and any(s.stop for s in sequences):
             raise ValueError("DecodeEngine.generate: stop strings need the engine's decode function")
         cuda = self.device.type == "cuda"
-        gc.collect()  # the last call's buffers, if an exception kept them alive
+        # A call that raised (out of memory) may leave its buffers in reference cycles through its frames: collected
+        # then only, as a full collection walks the whole heap (0.25 s a call on a CPU with transformers loaded, 0.44 s
+        # after a compile: BENCHMARKS.md "A full collection only after a call that raised").
+        if self._unfinished:
+            gc.collect()
+        self._unfinished = True
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -163,6 +169,7 @@ class DecodeEngine:
                           self.use_kernels)
         batch = _Batch(self, cache, sequences, sync_every or self.sync_every)
         completions = batch.run()
+        self._unfinished = False
         return DecodeRun(completions, batch.prefill_s, batch.decode_s, batch.capture_s, batch.steps, cache.state.batch,
                          batch.admissions, torch.cuda.max_memory_allocated(self.device) if cuda else None,
                          cache.kv_bytes(FP16_BYTES))

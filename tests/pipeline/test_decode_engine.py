@@ -5,12 +5,14 @@ On the CPU the engine's steps run eagerly on the kivi/ oracle; the GPU run (CUDA
 `python -m tools.bench_decode --check-model` (BENCHMARKS.md).
 """
 
+import gc
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kivi import KiviCache, KiviConfig, enable_kivi
-from pipeline.decode_engine import DecodeEngine, _micro_batches
+from pipeline.decode_engine import DecodeEngine, _Batch, _micro_batches
 from pipeline.decode_step import UnsupportedModelError
 
 KIVI_CACHES = [None, KiviConfig(residual_length=32), KiviConfig(k_bits=4, v_bits=2, group_size=16, residual_length=0)]
@@ -82,6 +84,24 @@ def test_compiled_steps_give_the_eager_tokens():
     prompts = [list(range(1, 30)), list(range(5, 12))]
     eager = DecodeEngine(model, compile_steps=False).run(prompts, 12, None).tokens
     assert torch.equal(DecodeEngine(model, compile_steps=True).run(prompts, 12, None).tokens, eager)
+
+
+def test_a_full_garbage_collection_runs_only_after_a_call_that_raised(monkeypatch):
+    """A full collection costs 0.3-1 s once a model fills the heap: it is paid where a call that ran out of memory may
+    have left its buffers in reference cycles, not on every call."""
+    engine, prompts = DecodeEngine(tiny(LlamaForCausalLM, LlamaConfig, 4, 2, 64), compile_steps=False), [[1, 2, 3]]
+    collections = []
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args) or 0)
+    engine.run(prompts, 4, None)
+    engine.run(prompts, 4, None)
+    assert collections == []
+    with monkeypatch.context() as patch:
+        patch.setattr(_Batch, "_segment", lambda self: (_ for _ in ()).throw(torch.OutOfMemoryError("out of memory")))
+        with pytest.raises(torch.OutOfMemoryError):
+            engine.run(prompts, 4, None)
+    engine.run(prompts, 4, None)
+    engine.run(prompts, 4, None)
+    assert len(collections) == 1
 
 
 @pytest.mark.slow
