@@ -99,7 +99,7 @@ class KiviConfig:
         """A named preset (see ``PRESETS``), or a preset's cache name as outputs print it (``kivi-k2v2-g32-r128``)."""
         if name in PRESETS:
             return cls(**PRESETS[name])
-        if preset := {cache: preset for preset, cache in preset_caches().items()}.get(name):
+        if preset := cache_presets().get(name):
             return cls(**PRESETS[preset])
         raise KiviConfigError(f"unknown KIVI preset {name!r}{did_you_mean(name, PRESETS)}; presets: {', '.join(PRESETS)}")
 
@@ -158,6 +158,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 def preset_caches() -> dict[str, str]:
     """Each preset's cache name, as results' `cache` column spells it: {"kivi-2": "kivi-k2v2-g32-r128", …}."""
     return {preset: KiviConfig.from_name(preset).name for preset in PRESETS}
+
+
+def cache_presets() -> dict[str, str]:
+    """Each cache name's preset, the inverse of ``preset_caches``: {"kivi-k2v2-g32-r128": "kivi-2", …}."""
+    return {cache: preset for preset, cache in preset_caches().items()}
 
 
 def cache_name(name: str) -> str:

@@ -103,7 +103,7 @@ class GateRule(BaseModel):
     def problems(self, workloads: Mapping[str, Workload], caches: Sequence[str], run_id: str | None = None) -> list[str]:
         """What this rule names that the config does not run (or, given ``run_id``, that run's config did not), each
         with the fix; empty when it can be checked."""
-        config, configs = ("the config", "the config's") if run_id is None else (f"run {run_id}", f"run {run_id}'s")
+        config, configs = _subject(run_id)
         out = []
         workload_name, task, cache = (getattr(self, f, None) for f in ("workload", "task", "cache"))
         workload = workloads.get(workload_name) if workload_name else None
@@ -137,6 +137,11 @@ class GateRule(BaseModel):
 
     def check(self, ctx: _Context) -> list[Verdict]:
         raise NotImplementedError
+
+
+def _subject(run_id: str | None) -> tuple[str, str]:
+    """What a rule is checked against in messages, plain and possessive: the config being run, or a run's."""
+    return ("the config", "the config's") if run_id is None else (f"run {run_id}", f"run {run_id}'s")
 
 
 class IntervalRule(GateRule):
@@ -500,7 +505,7 @@ class MinExactMatch(PerCacheRule):
         out = super().problems(workloads, caches, run_id)
         if workloads:
             out.append(f"rule {self.name!r}: min_exact_match reads the generations of a kivi-eval generate run, and "
-                       f"{'this config' if run_id is None else f'run {run_id}'} runs workloads: gate a generate run "
+                       f"{_subject(run_id)[0]} runs workloads: gate a generate run "
                        "with it (kivi-eval generate --gate)")
         return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kivi.config import cache_name, did_you_mean, preset_caches
+from kivi.config import cache_name, cache_presets, did_you_mean
 from pipeline.errors import InputError
 from pipeline.names import FP16
 from pipeline.store import NEWEST_FIRST, Store
@@ -70,7 +70,7 @@ def _require_known(store: Store, **names: str | None) -> None:
         if value not in known:
             of = f" of {', '.join(scope)}" if scope else ""
             # A cache is also named by its preset: both are offered, as a user may have typed either.
-            presets = {cache: preset for preset, cache in preset_caches().items() if cache in known and what == "cache"}
+            presets = {c: p for c, p in cache_presets().items() if c in known} if what == "cache" else {}
             shown = [f"{name} ({presets[name]})" if name in presets else name for name in known]
             raise NoHistoryError(f"no KIVI result{of} with {what} {value!r} in the archive {store.root}"
                                  f"{did_you_mean(value, [*known, *presets.values()], n=3)}; {what}s there: "

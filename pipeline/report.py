@@ -21,7 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from kivi.config import preset_caches
+from kivi.config import cache_presets
 from pipeline.history import delta_history, gated_metrics
 from pipeline.names import FP16
 from pipeline.store import Store, format_table
@@ -130,7 +130,7 @@ def _summary(store: Store, run_id: str) -> str:
 
 def _named(cache: str) -> str:
     """A cache as configs name it (its preset) beside its archive name."""
-    preset = {name: p for p, name in preset_caches().items()}.get(cache)
+    preset = cache_presets().get(cache)
     return f"**{preset}** (`{cache}`)" if preset else f"**{cache}**"
 
 

@@ -124,21 +124,19 @@ def _execute(config: GenerateConfig, ctx, planned: InputPlan, archive: ArchiveWr
                unit="row", disable=not progress)
     tokens, first = 0, None  # the rate counts from the first finished job: the actors' start-up is not generation
     # A worker in this process prints its shard lines to this terminal, not to an actor's log: above the bar.
-    try:
-        with redirect_stdout(_AboveTheBar(bar, sys.stdout)) if in_process and progress else nullcontext():
-            for actor, (_, (shard, _, _)), written in run_jobs(GenerateWorker, ctx, config.ray, jobs, summary.placements,
-                                                               in_process):
-                summary.placements[actor]["jobs"] += 1
-                summary.computed += [(shard.index, cache) for cache in written]
-                tokens += sum(written.values())
-                now = time.perf_counter()
-                if first is None:
-                    first = (now, tokens)
-                elif now > first[0]:
-                    bar.set_postfix_str(f"{(tokens - first[1]) / (now - first[0]):,.1f} tokens/s", refresh=False)
-                bar.update(shard.rows * len(written))
-    finally:
-        bar.close()
+    above = redirect_stdout(_AboveTheBar(bar, sys.stdout)) if in_process and progress else nullcontext()
+    with bar, above:
+        for actor, (_, (shard, _, _)), written in run_jobs(GenerateWorker, ctx, config.ray, jobs, summary.placements,
+                                                           in_process):
+            summary.placements[actor]["jobs"] += 1
+            summary.computed += [(shard.index, cache) for cache in written]
+            tokens += sum(written.values())
+            now = time.perf_counter()
+            if first is None:
+                first = (now, tokens)
+            elif now > first[0]:
+                bar.set_postfix_str(f"{(tokens - first[1]) / (now - first[0]):,.1f} tokens/s", refresh=False)
+            bar.update(shard.rows * len(written))
 
 
 class _AboveTheBar(io.TextIOBase):
